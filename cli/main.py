@@ -1,0 +1,29 @@
+"""vtoken-cli: validate, list, compile, bench and eval eviction policies.
+
+Results go to stdout (rich tables or ``--json``), diagnostics to stderr.
+Exit codes: 0 success, 1 a check or definition failed, 2 usage error.
+"""
+
+from __future__ import annotations
+
+import typer
+
+from .validate_cmd import list_policies, validate
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                  help="vtoken: KV-cache eviction policies that free real memory.")
+app.command("validate")(validate)
+app.command("list")(list_policies)
+
+
+from .bench_cmd import bench_app  # noqa: E402
+
+app.add_typer(bench_app, name="bench")
+
+
+def main() -> None:  # pragma: no cover
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

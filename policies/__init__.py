@@ -1,0 +1,38 @@
+"""The shipped policies, one file each (installed as ``vtoken_policies``).
+
+Nothing is imported eagerly: ``load(name)`` imports one policy module on demand and
+``names()`` lists them, so importing this package costs nothing.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any
+
+_HERE = Path(__file__).resolve().parent
+MODULES = {"h2o": "h2o", "scissorhands": "scissorhands", "random": "random_evict",
+           "streaming_llm": "streaming_llm", "snapkv": "snapkv", "tova": "tova", "knorm": "knorm"}
+
+
+def names() -> list[str]:
+    return list(MODULES)
+
+
+def path(name: str) -> Path:
+    return _HERE / f"{MODULES[name]}.py"
+
+
+def files() -> list[Path]:
+    return [path(n) for n in MODULES]
+
+
+def load(name: str) -> Any:
+    """The shipped policy called ``name`` (a ``vtoken_sdk.Policy``)."""
+    if name not in MODULES:
+        raise ValueError(f"unknown policy {name!r}; shipped: {', '.join(MODULES)}")
+    mod = importlib.import_module(f"{__name__}.{MODULES[name]}")
+    from vtoken_sdk import Policy
+
+    found = [v for v in vars(mod).values() if isinstance(v, Policy)]
+    return found[0]

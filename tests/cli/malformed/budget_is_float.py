@@ -1,0 +1,6 @@
+import vtoken_sdk as vt
+
+
+@vt.policy(budget=0.5)  # EXPECT definition
+def p(s: vt.TokenStats):
+    return s.attn_sum

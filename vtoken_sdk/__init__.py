@@ -1,0 +1,40 @@
+"""vtoken policy SDK: write a KV-cache eviction policy as one decorated function.
+
+    import vtoken_sdk as vt
+
+    @vt.policy(budget=vt.Budget(ratio=0.5), protect=[vt.sinks(4), vt.recent(64)], granularity="head")
+    def h2o(s: vt.TokenStats):
+        return s.attn_sum
+"""
+
+from .batch import StatsBatch
+from .budget import Budget
+from .errors import PolicyDefinitionError, PolicyRuntimeError, VTokenError
+from .ir import (
+    abs,
+    avg_pool,
+    clamp,
+    exp,
+    head_mean,
+    isnan,
+    log,
+    max_pool,
+    maximum,
+    minimum,
+    sigmoid,
+    sqrt,
+    tanh,
+    where,
+)
+from .policy import MaskContext, Params, Policy, PolicySpec, mask_policy, policy
+from .protect import protect_if, recent, sinks, span
+from .selection import select
+from .stats import CATALOG, StatsConfig, TokenStats
+
+__all__ = [
+    "CATALOG", "Budget", "MaskContext", "Params", "Policy", "PolicyDefinitionError", "PolicyRuntimeError",
+    "PolicySpec", "StatsBatch", "StatsConfig", "TokenStats", "VTokenError", "abs", "avg_pool", "clamp", "exp",
+    "head_mean", "isnan", "log", "mask_policy", "max_pool", "maximum", "minimum", "policy", "protect_if", "recent",
+    "select", "sigmoid", "sinks", "span", "sqrt", "tanh", "where",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,184 @@
+"""The contract checks behind ``vtoken-cli validate`` and ``testing.check_policy``.
+
+Each check is a hypothesis property over random batches; on failure the shrunk
+falsifying batch is described (shapes, lengths, mode, seed, spans, budget) together
+with the request/row that broke the contract.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from hypothesis import HealthCheck, given, settings
+
+from .batch import StatsBatch
+from .errors import PolicyRuntimeError
+from .policy import Policy
+from .selection import keep_counts
+from .stats import CATALOG
+from .testing import CheckResult, PolicyReport, batch_specs, build_batch
+
+
+class ContractViolation(AssertionError):
+    pass
+
+
+CHECKS: dict[str, str] = {
+    "definition": "definition valid (traced / loaded)",
+    "known_stats": "reads only known statistics",
+    "score_shape": "scores [B,L,H,N] float32 / mask [B,L,H,N] bool",
+    "pins_kept": "pinned tokens never dropped",
+    "exact_budget": "kept == min(length, max(budget, pins)) in every row",
+    "padding": "nothing kept past a request's length",
+    "deterministic": "same mask twice under a fixed seed",
+    "batch_invariant": "a request's mask ignores the rest of the batch",
+    "nan_inf": "NaN/inf statistics follow the contract",
+}
+
+
+def _mask(compiled: Any, batch: StatsBatch) -> torch.Tensor:
+    return compiled.keep_mask(batch)
+
+
+def _expected(compiled: Any, batch: StatsBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    b, l_, h, n = batch.shape
+    pins = compiled.pins(batch)
+    if compiled.policy.spec.granularity == "request":
+        pins = pins.any(dim=(1, 2), keepdim=True).expand(b, l_, h, n)
+    k, _ = keep_counts(batch.lengths.to(torch.int64), pins.reshape(b, l_ * h, n), compiled.budgets(batch))
+    return pins, k
+
+
+def _where(mask: torch.Tensor) -> str:
+    idx = mask.nonzero()
+    if len(idx) == 0:
+        return ""
+    b, l_, h, n = (int(x) for x in idx[0])
+    return f"request {b}, layer {l_}, head {h}, token {n}"
+
+
+def prop_pins(compiled: Any, batch: StatsBatch) -> None:
+    mask = _mask(compiled, batch)
+    pins, _ = _expected(compiled, batch)
+    dropped = pins & ~mask
+    if dropped.any():
+        raise ContractViolation(f"pinned token dropped at {_where(dropped)}")
+
+
+def prop_budget(compiled: Any, batch: StatsBatch) -> None:
+    mask = _mask(compiled, batch)
+    _, k = _expected(compiled, batch)
+    kept = mask.sum(-1)  # [B, L, H]
+    bad = kept != k[:, None, None]
+    if bad.any():
+        bi, li, hi = (int(x) for x in bad.nonzero()[0])
+        raise ContractViolation(f"request {bi} layer {li} head {hi} keeps {int(kept[bi, li, hi])} tokens, "
+                                f"expected {int(k[bi])} (length {int(batch.lengths[bi])})")
+
+
+def prop_padding(compiled: Any, batch: StatsBatch) -> None:
+    mask = _mask(compiled, batch)
+    n = batch.shape[-1]
+    pad = (torch.arange(n) >= batch.lengths[:, None])[:, None, None, :]
+    bad = mask & pad
+    if bad.any():
+        raise ContractViolation(f"padding token kept at {_where(bad)}")
+
+
+def prop_deterministic(compiled: Any, batch: StatsBatch) -> None:
+    a = _mask(compiled, batch)
+    b = _mask(compiled, batch)
+    if not torch.equal(a, b):
+        raise ContractViolation(f"masks differ between two identical calls at {_where(a != b)}")
+
+
+def prop_batch_invariant(compiled: Any, batch: StatsBatch) -> None:
+    full = _mask(compiled, batch)
+    nb = batch.shape[0]
+    rev = _mask(compiled, batch.select_requests(list(range(nb))[::-1])).flip(0)
+    if not torch.equal(full, rev):
+        raise ContractViolation(f"mask changes when the batch order is reversed at {_where(full != rev)}")
+    for i in range(nb):
+        alone = _mask(compiled, batch.select_requests([i]))
+        if not torch.equal(alone[0], full[i]):
+            raise ContractViolation(f"request {i}'s mask differs when it runs alone "
+                                    f"({int((alone[0] != full[i]).sum())} tokens)")
+
+
+def prop_score_shape(compiled: Any, batch: StatsBatch) -> None:
+    b, l_, h, n = batch.shape
+    if compiled.policy.kind == "score":
+        s = compiled.scores(batch)
+        if tuple(s.shape) != (b, l_, h, n) or s.dtype != torch.float32:
+            raise ContractViolation(f"scores have shape {list(s.shape)} dtype {s.dtype}, expected "
+                                    f"{[b, l_, h, n]} float32")
+    m = _mask(compiled, batch)
+    if tuple(m.shape) != (b, l_, h, n) or m.dtype != torch.bool:
+        raise ContractViolation(f"mask has shape {list(m.shape)} dtype {m.dtype}, expected {[b, l_, h, n]} bool")
+
+
+def prop_nan_inf(compiled: Any, batch: StatsBatch) -> None:
+    prop_pins(compiled, batch)
+    prop_budget(compiled, batch)
+    prop_padding(compiled, batch)
+
+
+PROPS: dict[str, tuple[Callable[[Any, StatsBatch], None], tuple[str, ...]]] = {
+    "score_shape": (prop_score_shape, ("ties", "continuous")),
+    "pins_kept": (prop_pins, ("ties", "continuous", "special")),
+    "exact_budget": (prop_budget, ("ties", "continuous", "special")),
+    "padding": (prop_padding, ("ties", "continuous", "special")),
+    "deterministic": (prop_deterministic, ("ties", "continuous", "special")),
+    "batch_invariant": (prop_batch_invariant, ("ties", "continuous", "special")),
+    "nan_inf": (prop_nan_inf, ("special",)),
+}
+
+
+def run_property(policy: Policy, prop: Callable[[Any, StatsBatch], None], modes: tuple[str, ...],
+                 examples: int) -> CheckResult:
+    compiled = policy.compile("torch")
+    stat_names = tuple(sorted(policy.stored_reads))
+    last: dict[str, Any] = {}
+
+    @settings(max_examples=examples, deadline=None, database=None, derandomize=True, print_blob=False,
+              suppress_health_check=list(HealthCheck))
+    @given(batch_specs(modes=modes))
+    def run(spec: Any) -> None:
+        batch = build_batch(spec, stat_names)
+        try:
+            prop(compiled, batch)
+        except (ContractViolation, PolicyRuntimeError) as e:
+            last["spec"], last["err"] = spec, e
+            raise
+        except Exception as e:
+            last["spec"], last["err"] = spec, e
+            raise ContractViolation(f"{type(e).__name__}: {e}") from e
+
+    try:
+        run()
+    except Exception as e:  # hypothesis re-raises the (shrunk) failure last
+        err = last.get("err", e)
+        spec = last.get("spec")
+        line = err.line if isinstance(err, PolicyRuntimeError) else None
+        return CheckResult("", False, str(err), spec.describe() if spec is not None else "", line)
+    return CheckResult("", True, f"{examples} examples")
+
+
+def run_checks(policy: Policy, examples: int = 200, only: tuple[str, ...] | None = None) -> PolicyReport:
+    report = PolicyReport(policy.name)
+    wanted = only or tuple(CHECKS)
+    if "definition" in wanted:
+        report.results.append(CheckResult("definition", True, policy.describe()))
+    if "known_stats" in wanted:
+        unknown = sorted(set(policy.reads) - set(CATALOG))
+        report.results.append(CheckResult("known_stats", not unknown,
+                                          f"reads {sorted(policy.reads)}" if not unknown else f"unknown {unknown}"))
+    for name, (prop, modes) in PROPS.items():
+        if name not in wanted:
+            continue
+        res = run_property(policy, prop, modes, examples)
+        res.name = name
+        report.results.append(res)
+    return report
