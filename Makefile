@@ -22,6 +22,7 @@ $(STAMP): requirements.lock pyproject.toml
 	# exact pins, no resolution: the lock is the whole environment (torch 2.13.0+cpu from the local wheels)
 	$(PIP) install -q --no-deps $(FIND_LINKS) -r requirements.lock
 	$(PIP) install -q --no-deps --no-build-isolation -e .
+	PIP=$(PIP) bash scripts/install_assets.sh
 	# torchvision/torchaudio/torchcodec wheels fail to load next to torch 2.13.0+cpu and break transformers
 	-$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null
 	$(PY) -c "import torch, vtoken_sdk, vtoken_runtime, vtoken_cli; print('torch', torch.__version__)"
@@ -35,12 +36,12 @@ $(VENV)-kvpress/.installed: scripts/setup_kvpress.sh
 
 bench: install
 	$(VENV)/bin/vtoken-cli validate policies/*.py --examples 100
-	$(VENV)/bin/vtoken-cli bench masks --json results/bench_masks.json
+	$(VENV)/bin/vtoken-cli bench blocks --quick --json results/bench_blocks_quick.json --plot results/bench_blocks_quick.png
 
 bench-full: install
 	$(VENV)/bin/vtoken-cli bench blocks --json results/bench_blocks.json
 
-test: install
+test: install kvpress
 	$(PY) -m pytest -q -p no:cacheprovider
 
 test-fast: install

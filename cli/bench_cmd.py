@@ -15,6 +15,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from .experiments import ALL_POLICIES
+
 bench_app = typer.Typer(no_args_is_help=True, help="benchmarks: masks, blocks, serve")
 out = Console(width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True)
@@ -31,8 +33,8 @@ def masks(
 ) -> None:
     """Keep masks of every shipped policy on synthetic statistics: kept fraction and torch time."""
     import torch
-    import vtoken_policies
 
+    import vtoken_policies
     from vtoken_sdk.batch import StatsBatch
     from vtoken_sdk.stats import STORED_STATS
 
@@ -63,3 +65,57 @@ def masks(
     if as_json:
         as_json.parent.mkdir(parents=True, exist_ok=True)
         as_json.write_text(json.dumps({"rows": rows}, indent=2))
+
+
+@bench_app.command("blocks")
+def blocks(
+    quick: Annotated[bool, typer.Option("--quick", help="one 512-token request, 256 decode steps (< 3 min)")] = False,
+    policies: Annotated[str, typer.Option(help="comma-separated shipped policies")] = ",".join(ALL_POLICIES),
+    ratios: Annotated[str, typer.Option(help="comma-separated eviction ratios")] = "0.3,0.5,0.7",
+    block_sizes: Annotated[str, typer.Option(help="comma-separated block sizes (first one runs the real cache)")]
+    = "16,32,48",
+    lengths: Annotated[str | None, typer.Option(help="comma-separated prompt lengths in tokens")] = None,
+    requests: Annotated[int, typer.Option(min=1, help="requests per length")] = 1,
+    decode: Annotated[int | None, typer.Option(min=0, help="greedy decode steps per request")] = None,
+    plot: Annotated[Path, typer.Option(help="PNG plot path")] = Path("results/bench_blocks.png"),
+    as_json: Annotated[Path | None, typer.Option("--json", help="write the JSON report here")] = None,
+) -> None:
+    """Held KV blocks per request on SmolLM2: no eviction vs Naive-Evict vs vToken vs ideal."""
+    from rich.progress import Progress
+
+    from .bench_blocks import plot_blocks, run_blocks, write_json
+
+    lens = tuple(int(x) for x in lengths.split(",")) if lengths else ((512,) if quick else (1024, 2048, 4096))
+    steps = decode if decode is not None else 256
+    try:
+        pol = tuple(p.strip() for p in policies.split(",") if p.strip())
+        rts = tuple(float(x) for x in ratios.split(","))
+        bss = tuple(int(x) for x in block_sizes.split(","))
+    except ValueError as e:
+        err.print(f"bad option value: {e}")
+        raise typer.Exit(2) from None
+    with Progress(console=err, transient=True) as progress:
+        result = run_blocks(pol, rts, bss, lens, requests, steps, progress)
+    table = Table(title=f"held KV blocks per request (mean over prefill + {steps} decode steps), "
+                        f"{result['model']}, prompt lengths {list(lens)}")
+    cols = ("policy", "evict", "bs", "full", "naive", "vtoken", "ideal", "vs naive", "peak naive", "peak vtoken",
+            "moved/reclaimed blk")
+    for c in cols:
+        table.add_column(c, justify="right")
+    for r in result["rows"]:
+        table.add_row(r["policy"], f"{r['eviction_ratio']:.1f}", str(r["block_size"]), f"{r['blocks_full']:.1f}",
+                      f"{r['blocks_naive']:.1f}", f"{r['blocks_vtoken']:.1f}", f"{r['blocks_ideal']:.1f}",
+                      f"-{100 * r['reduction_vs_naive']:.1f}%", f"{r['peak_naive']:.0f}", f"{r['peak_vtoken']:.0f}",
+                      "-" if r["tokens_moved_per_reclaimed_block"] is None
+                      else f"{r['tokens_moved_per_reclaimed_block']:.1f}")
+    out.print(table)
+    at = [r for r in result["rows"] if r["eviction_ratio"] == 0.5 and r["block_size"] == 16]
+    if at:
+        out.print("reduction vs Naive-Evict at eviction ratio 0.5, block size 16: " + ", ".join(
+            f"{r['policy']} {100 * r['reduction_vs_naive']:.1f}%" for r in at) + " (seed paper: 27.2-72.3%)")
+    out.print(f"{result['requests']} request(s), {result['seconds']} s")
+    plot_blocks(result, plot)
+    err.print(f"plot: {plot}")
+    if as_json:
+        write_json(result, as_json)
+        err.print(f"json: {as_json}")

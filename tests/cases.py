@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import vtoken_policies
-
 import vtoken_sdk as vt
 
 CASES: list[tuple[str, dict[str, Any]]] = [

@@ -226,6 +226,29 @@ class ReferencePolicy:
         keep = select(scores.reshape(b, l_ * h, n), batch.lengths, pins.reshape(b, l_ * h, n), budget)
         return keep.reshape(b, l_, h, n)
 
+    def contract_violations(self, batch: StatsBatch, mask: Tensor) -> list[str | None]:
+        """Per request: why ``mask [B, L, H, N]`` breaks the selection contract, or None.
+
+        Used by the runtime to refuse a mask policy's output for one request only."""
+        b, l_, h, n = batch.shape
+        pins = self.pins(batch)
+        if self.policy.spec.granularity == "request":
+            pins = pins.any(dim=(1, 2), keepdim=True).expand(b, l_, h, n)
+        k, _ = keep_counts(batch.lengths.to(torch.int64), pins.reshape(b, l_ * h, n), self.budgets(batch))
+        valid = _valid(batch, n)
+        out: list[str | None] = []
+        for i in range(b):
+            m = mask[i]
+            if (pins[i] & ~m).any():
+                out.append("drops a pinned token")
+            elif (m & ~valid[i]).any():
+                out.append("keeps padding past the request's length")
+            elif not (m.sum(-1) == k[i]).all():
+                out.append(f"keeps {sorted(set(m.sum(-1).flatten().tolist()))} tokens per row, expected {int(k[i])}")
+            else:
+                out.append(None)
+        return out
+
     def _custom_mask(self, batch: StatsBatch, env: dict[str, Tensor], pins: Tensor, budget: Tensor) -> Tensor:
         from .policy import MaskContext
         from .stats import TokenStats

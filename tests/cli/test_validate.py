@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
+
 from vtoken_cli.main import app
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import vtoken_policies
 
+import vtoken_policies
 from tests.cases import CASES, build, case_id
 from vtoken_sdk.testing import check_policy
 

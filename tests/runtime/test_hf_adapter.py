@@ -1,0 +1,160 @@
+"""The HF transformers adapter: exactness, accounting, failure isolation (tiny models + SmolLM2)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import vtoken_policies
+import vtoken_sdk as vt
+from tests.cases import CASES, build, case_id
+from vtoken_runtime.dense_reference import dense_greedy
+from vtoken_runtime.hf_adapter import HFSession
+from vtoken_runtime.models import tiny_llama, tiny_qwen2
+
+
+def _prompt(n: int, seed: int = 1) -> list[int]:
+    return torch.randint(0, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _small(policy: vt.Policy) -> vt.Policy:
+    """Scale a shipped policy's protection to tiny prompts."""
+    protect = [vt.recent(8)] if policy.name == "snapkv" else [vt.sinks(2), vt.recent(4)]
+    return policy.configure(protect=protect, stats=vt.StatsConfig(obs_window=8, history_window=16))
+
+
+@pytest.mark.parametrize("factory", [tiny_llama, tiny_qwen2], ids=["llama", "qwen2"])
+def test_paged_without_eviction_equals_hf_dense(factory) -> None:
+    model = factory()
+    ids = _prompt(70)
+    s = HFSession(model, block_size=16, num_blocks=32, chunk_size=24)
+    s.add("a", None)
+    assert s.generate(["a"], [ids], 10)[0] == dense_greedy(model, ids, 10)
+
+
+@pytest.mark.parametrize("factory", [tiny_llama, tiny_qwen2], ids=["llama", "qwen2"])
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+@pytest.mark.parametrize("mode", ["compact", "ordered"])
+def test_compacted_greedy_equals_dense_restricted_to_kept_sets(factory, case, mode) -> None:
+    model = factory()
+    policy = _small(build(case))
+    ids = _prompt(90)
+    s = HFSession(model, block_size=16, num_blocks=64, mode=mode, stat_names=policy.stored_reads, chunk_size=32,
+                  record_keeps=True, debug=True)
+    s.add("a", policy)
+    got = s.generate(["a"], [ids], 12)[0]
+    log = s.requests["a"].keep_log
+    assert log, "the policy never evicted"
+    assert got == dense_greedy(model, ids, 12, log)
+    assert not s.requests["a"].failures
+
+
+@pytest.mark.parametrize("granularity", ["head", "request"])
+def test_block_accounting_exact_after_every_step(granularity: str) -> None:
+    model = tiny_llama()
+    pol = vtoken_policies.load("h2o").configure(granularity=granularity, protect=[vt.sinks(2), vt.recent(4)])
+    s = HFSession(model, block_size=16, num_blocks=128, granularity=granularity, stat_names=pol.stored_reads,
+                  shadow_block_sizes=(32, 48), chunk_size=40)
+    s.add("a", pol)
+    s.add("b", None)
+    prompts = [_prompt(100, 2), _prompt(60, 3)]
+    logits = s.prefill(["a", "b"], prompts)
+    for _ in range(40):
+        for bs, fig in s.blocks("a").items():
+            assert fig["vtoken"] == fig["ideal"] == -(-s.cache.live_tokens("a") // 16 * 16 // bs) or \
+                fig["vtoken"] == -(-s.cache.live_tokens("a") // bs)
+            assert fig["vtoken"] <= fig["naive"] <= fig["full"]
+        assert s.blocks("b")[16]["vtoken"] == -(-s.cache.logical_len("b") // 16)
+        logits = s.decode(["a", "b"], logits.argmax(-1).tolist())
+    assert s.cache.live_tokens("a") == pol.budget.resolve(s.cache.logical_len("a"))
+
+
+def test_failing_policy_only_affects_its_own_request(caplog) -> None:
+    @vt.mask_policy(budget=vt.Budget(ratio=0.5), reads=("attn_sum",))
+    def broken(s: vt.TokenStats, ctx: vt.MaskContext):
+        raise ZeroDivisionError("policy bug")
+
+    @vt.mask_policy(budget=vt.Budget(ratio=0.5), reads=("attn_sum",), protect=[vt.sinks(4)])
+    def drops_pins(s: vt.TokenStats, ctx: vt.MaskContext):
+        last_k = torch.arange(ctx.shape[-1]) >= ctx.lengths[:, None, None, None] - ctx.keep_count[:, None, None, None]
+        return (last_k & (torch.arange(ctx.shape[-1]) < ctx.lengths[:, None, None, None])).expand(ctx.shape)
+
+    model = tiny_llama()
+    h2o = _small(vtoken_policies.load("h2o"))
+    s = HFSession(model, block_size=16, num_blocks=64, stat_names=("attn_sum",), chunk_size=32)
+    for r, p in (("bad", broken), ("pins", drops_pins), ("good", h2o)):
+        s.add(r, p)
+    ids = _prompt(64)
+    outs = s.generate(["bad", "pins", "good"], [ids, ids, ids], 6)
+    assert s.requests["bad"].failures and "ZeroDivisionError" in s.requests["bad"].failures[0]
+    assert s.requests["pins"].failures and "pinned" in s.requests["pins"].failures[0]
+    assert not s.requests["good"].failures
+    assert s.cache.live_tokens("bad") == s.cache.logical_len("bad")  # fell back to no eviction
+    assert s.cache.live_tokens("good") < s.cache.logical_len("good")
+    ref = HFSession(model, block_size=16, num_blocks=64, chunk_size=32)
+    ref.add("x", None)
+    assert outs[0] == ref.generate(["x"], [ids], 6)[0]  # the failing request is served as if no policy ran
+
+
+def test_request_pins_are_honoured() -> None:
+    model = tiny_llama()
+    s = HFSession(model, block_size=16, num_blocks=64, stat_names=("attn_sum",), chunk_size=32)
+    s.add("a", _small(vtoken_policies.load("h2o")), pinned_positions=range(10, 30))
+    s.generate(["a"], [_prompt(80)], 8)
+    pos, _ = s.cache.live_view("a")
+    assert all(np.isin(np.arange(10, 30), row).all() for row in pos)
+
+
+def test_stats_config_conflict_is_refused() -> None:
+    s = HFSession(tiny_llama(), block_size=16, num_blocks=16, stat_names=("attn_window",))
+    snap = vtoken_policies.load("snapkv")
+    s.add("a", snap)
+    with pytest.raises(ValueError, match="obs_window"):
+        s.add("b", snap.configure(stats=vt.StatsConfig(obs_window=8)))
+
+
+def test_policy_needing_uncollected_stats_is_refused() -> None:
+    s = HFSession(tiny_llama(), block_size=16, num_blocks=16, stat_names=())
+    with pytest.raises(ValueError, match="attn_sum"):
+        s.add("a", vtoken_policies.load("h2o"))
+
+
+# ------------------------------------------------------------------ SmolLM2 (real model)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from vtoken_runtime.models import load_smollm2
+
+    return load_smollm2()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["h2o", "tova", "snapkv"])
+def test_smollm2_compacted_greedy_equals_dense_restricted(smollm2, name: str) -> None:
+    from vtoken_runtime.essays import essay_token_requests
+
+    model, tok = smollm2
+    prompt = essay_token_requests(tok, [384], 1, offset=5000)[0]
+    pol = vtoken_policies.load(name).configure(budget=vt.Budget.evict(0.5))
+    s = HFSession(model, block_size=16, num_blocks=128, stat_names=pol.stored_reads, chunk_size=128, record_keeps=True)
+    s.add("a", pol)
+    got = s.generate(["a"], [prompt], 16)[0]
+    assert got == dense_greedy(model, prompt, 16, s.requests["a"].keep_log)
+    assert s.blocks("a")[16]["vtoken"] == -(-s.cache.live_tokens("a") // 16)
+
+
+@pytest.mark.slow
+def test_smollm2_passkey_with_full_cache(smollm2) -> None:
+    from vtoken_runtime.essays import build_passkey, parse_passkey
+
+    model, tok = smollm2
+    hits = 0
+    for i, depth in enumerate((0.1, 0.5, 0.9)):
+        p = build_passkey(tok, 2048, depth, 31337 + 1111 * i, filler_offset=20_000 + 3_000 * i)
+        s = HFSession(model, block_size=16, num_blocks=140, chunk_size=512)
+        s.add("a", None)
+        out = s.generate(["a"], [p.input_ids], 8)[0]
+        hits += parse_passkey(tok.decode(out)) == p.passkey
+    assert hits >= 2, f"full-cache passkey retrieval {hits}/3"
