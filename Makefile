@@ -41,8 +41,11 @@ bench: install
 bench-full: install
 	$(VENV)/bin/vtoken-cli bench blocks --json results/bench_blocks.json
 
+# Triton kernels run under TRITON_INTERPRET=1 (set by tests/triton/conftest.py), in their own
+# process so the interpreter flag never reaches the vLLM engines of the main run.
 test: install kvpress
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider --ignore=tests/triton
+	$(PY) -m pytest -q -p no:cacheprovider tests/triton
 
 test-fast: install
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow and not vllm"

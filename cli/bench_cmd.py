@@ -119,3 +119,33 @@ def blocks(
     if as_json:
         write_json(result, as_json)
         err.print(f"json: {as_json}")
+
+
+@bench_app.command("kvpress")
+def kvpress(
+    ratio: Annotated[float, typer.Option(min=0.0, max=0.95, help="kvpress compression ratio")] = 0.5,
+    length: Annotated[int, typer.Option(min=128, help="passkey prompt length (tokens)")] = 400,
+    new_tokens: Annotated[int, typer.Option(min=1, help="greedy tokens compared")] = 12,
+    as_json: Annotated[Path | None, typer.Option("--json", help="write the report here")] = None,
+) -> None:
+    """Kept tokens per (layer, KV head) and greedy text: vtoken vs kvpress (needs `make kvpress`)."""
+    from vtoken_runtime.essays import build_passkey
+    from vtoken_runtime.models import load_smollm2, smollm2_path
+
+    from .kvpress_check import PRESSES, compare
+
+    model, tok = load_smollm2()
+    p = build_passkey(tok, length, 0.5, 48213)
+    rows = [compare(press, ratio, p.context_ids, p.question_ids, new_tokens, model, smollm2_path())
+            for press in PRESSES]
+    table = Table(title=f"vtoken vs kvpress on SmolLM2, compression {ratio}, {len(p.context_ids)}-token context")
+    for c in ("press", "kept", "(layer, head) rows identical", "tokens differing", "greedy equal", "kvpress text"):
+        table.add_column(c)
+    for r in rows:
+        table.add_row(r["press"], str(r["n_kept_vtoken"]), f"{r['rows_identical']}/{r['rows']}",
+                      str(r["tokens_differing"]), str(r["greedy_equal"]), repr(r["peer_text"]))
+    out.print(table)
+    if as_json:
+        as_json.parent.mkdir(parents=True, exist_ok=True)
+        as_json.write_text(json.dumps(rows, indent=2))
+    raise typer.Exit(0 if all(r["greedy_equal"] for r in rows) else 1)

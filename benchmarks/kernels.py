@@ -1,0 +1,156 @@
+"""Per-decode-step cost of the torch (CPU) path: select, repack and statistics vs attention.
+
+    python benchmarks/kernels.py [--batch 4 --context 2048 --layers 30 --kv-heads 3 --q-heads 9 --json out.json]
+
+One decode step of a SmolLM2-135M-shaped model (30 layers, 9 query / 3 KV heads, head size 64,
+vLLM-CPU block size 32) over ``batch`` requests of ``context`` cached tokens:
+
+  attention   torch paged attention (runtime.paged_attention, the reference the cache uses), all layers
+  statistics  the attention-statistics reference (probabilities + the four per-slot stats), all layers
+  select      the H2O policy's keep mask over [B, L, H_kv, N] (torch reference backend)
+  repack      the copy engine executing a compact plan that evicts one block's worth of tokens
+              (32) per (layer, KV head) row of every request (K/V rows + stats + positions)
+
+Times are medians over ``repeats``; ratios are against the attention of the same step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def _median_ms(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
+    fn()
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts) * 1e3
+
+
+def run(batch: int, context: int, layers: int, kv_heads: int, q_heads: int, head_size: int, block_size: int,
+        repeats: int) -> dict:
+    import vtoken_policies
+    from vtoken_runtime.copy_engine import CopyEngine, CopyPlan
+    from vtoken_runtime.kernels.attn_stats_ref import apply_step_stats, step_stats
+    from vtoken_runtime.paged_attention import paged_attention
+    from vtoken_runtime.planner import plan_compact
+    from vtoken_runtime.slot_stats import SlotStore
+    from vtoken_sdk.batch import StatsBatch
+
+    torch.manual_seed(0)
+    rng = np.random.default_rng(0)
+    B, L, Hkv, Hq, D, bs, N = batch, layers, kv_heads, q_heads, head_size, block_size, context
+    nbpr = (N + bs) // bs + 1  # blocks per request (room for the new token)
+    NB = B * nbpr + 1
+    S = NB * bs
+    kv = [torch.randn(NB, Hkv, bs, 2 * D, dtype=torch.float32) for _ in range(L)]  # vllm_cpu layout
+    bt = torch.arange(B * nbpr, dtype=torch.int32).view(B, nbpr)
+    lens = torch.full((B,), N + 1, dtype=torch.int32)
+    store = SlotStore(L, Hkv, S, L * Hkv, ("attn_sum", "attn_last", "attn_window", "low_attn_count"))
+    for b in range(B):
+        slots = (bt[b, :, None] * bs + torch.arange(bs)).reshape(-1)[: N + 1]
+        store.positions[:, slots] = torch.arange(N + 1)
+    q = torch.randn(B, 1, Hq, D)
+    qpos = torch.full((B, 1), N, dtype=torch.int64)
+
+    def attention() -> None:
+        for li in range(L):
+            k = kv[li][..., :D].permute(0, 2, 1, 3)
+            v = kv[li][..., D:].permute(0, 2, 1, 3)
+            paged_attention(q, k, v, bt, lens, qpos, key_positions=store.layer_positions(li))
+
+    def stats() -> None:
+        for li in range(L):
+            k = kv[li][..., :D].permute(0, 2, 1, 3)
+            c = step_stats(q, k, k, bt, lens, qpos, store.layer_positions(li))
+            apply_step_stats({n: store.stats[n][li] for n in store.stat_names}, c, bt, lens, qpos, bs)
+
+    pol = vtoken_policies.load("h2o").compile("torch")
+    sb_stats = {"attn_sum": torch.rand(B, L, Hkv, N + 1)}
+    lengths = torch.full((B,), N + 1)
+    sb = StatsBatch(stats=sb_stats, lengths=lengths, positions=StatsBatch.contiguous_positions(lengths, N + 1),
+                    seq_lens=lengths)
+
+    def select() -> None:
+        pol.keep_mask(sb)
+
+    engine = CopyEngine(kv, "vllm_cpu", Hkv, D, bs, NB, store, per_head=True, async_copy=False)
+    rows, srcs, dsts = [], [], []
+    for b in range(B):
+        used = N + 1
+        live = np.ones((L * Hkv, used), dtype=bool)
+        for r in range(L * Hkv):
+            live[r, rng.choice(used - 64, size=bs, replace=False) + 32] = False
+        rr, s, d = plan_compact(live, used - bs)
+        blocks = bt[b].numpy().astype(np.int64)
+        rows.append(rr)
+        srcs.append(blocks[s // bs] * bs + s % bs)
+        dsts.append(blocks[d // bs] * bs + d % bs)
+    plan = CopyPlan(np.concatenate(rows), np.concatenate(srcs), np.concatenate(dsts))
+    back = CopyPlan(plan.rows, plan.dst, plan.src)
+    flip = [True]
+
+    def repack() -> None:  # alternate plan / inverse plan so every run moves live data
+        engine.run_jobs(engine.build_jobs(plan if flip[0] else back))
+        flip[0] = not flip[0]
+
+    t_attn = _median_ms(attention, repeats)
+    rows_out = [{"part": "attention (paged, all layers)", "ms": t_attn}]
+    for name, fn in (("statistics (probs + 4 stats)", stats), ("select (h2o keep mask)", select),
+                     ("repack (compact plan)", repack)):
+        rows_out.append({"part": name, "ms": _median_ms(fn, repeats)})
+    for r in rows_out:
+        r["ratio_to_attention"] = r["ms"] / t_attn
+    return {"shape": {"batch": B, "context": N, "layers": L, "kv_heads": Hkv, "q_heads": Hq, "head_size": D,
+                      "block_size": bs, "moves_per_step": plan.num_moves, "torch_threads": torch.get_num_threads()},
+            "rows": rows_out}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--kv-heads", type=int, default=3)
+    ap.add_argument("--q-heads", type=int, default=9)
+    ap.add_argument("--head-size", type=int, default=64)
+    ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--json", type=Path, default=None, help="also write results to this file")
+    a = ap.parse_args()
+    res = run(a.batch, a.context, a.layers, a.kv_heads, a.q_heads, a.head_size, a.block_size, a.repeats)
+    s = res["shape"]
+    table = Table(title=f"one decode step on CPU, torch path: B={s['batch']} N={s['context']} L={s['layers']} "
+                        f"H_q/H_kv={s['q_heads']}/{s['kv_heads']} D={s['head_size']} bs={s['block_size']} "
+                        f"({s['moves_per_step']} row moves, {s['torch_threads']} thread(s))")
+    for c in ("part", "ms / step", "x attention"):
+        table.add_column(c)
+    for r in res["rows"]:
+        table.add_row(r["part"], f"{r['ms']:.2f}", f"{r['ratio_to_attention']:.3f}")
+    Console().print(table)
+    if a.json:
+        a.json.parent.mkdir(parents=True, exist_ok=True)
+        a.json.write_text(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""The Triton statistics kernel equals the runtime's torch stats collector on a real VTokenCache
+(several steps: prefill, eviction, reclaim, decode)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from vtoken_runtime.cache import VTokenCache
+from vtoken_runtime.kernels.attn_stats_ref import STAT_NAMES
+from vtoken_runtime.stats_collector import update_attention_stats
+
+pytestmark = [pytest.mark.triton, pytest.mark.filterwarnings("ignore::RuntimeWarning")]
+
+
+@pytest.mark.parametrize("granularity", ["head", "request"])
+def test_kernel_matches_stats_collector_over_steps(granularity: str) -> None:
+    from vtoken_runtime.kernels.attn_stats_triton import update_attn_stats
+
+    torch.manual_seed(0)
+    L, H, G, D, bs = 1, 2, 3, 16, 4
+    cache = VTokenCache(L, H, D, bs, num_blocks=24, granularity=granularity, mode="compact",
+                        stat_names=STAT_NAMES, async_copy=False)
+    mirror = {n: cache.store.tensor(n)[0].clone() for n in STAT_NAMES}
+    reqs = ["a", "b"]
+    for r in reqs:
+        cache.add_request(r)
+    rng = np.random.default_rng(0)
+    for step, q_len in enumerate([7, 1, 1, 3, 1]):
+        qpos = []
+        for i, r in enumerate(reqs):
+            n = q_len if not (step == 0 and i == 1) else 5
+            start = cache.logical_len(r)
+            slots = cache.reserve(r, n)
+            for t in mirror.values():  # the runtime zeroes the stats of new tokens' slots
+                t[:, torch.as_tensor(slots)] = 0.0
+            cache.write_kv(0, r, torch.randn(n, H, D), torch.randn(n, H, D))
+            qpos.append(list(range(start, start + n)) + [-1] * (max(q_len, 5 if step == 0 else q_len) - n))
+        Q = max(len(p) for p in qpos)
+        query_pos = torch.tensor([p + [-1] * (Q - len(p)) for p in qpos])
+        query = torch.randn(len(reqs), Q, H * G, D)
+        md = cache.attention_metadata(reqs)
+        _, probs = cache.attention(0, query, md, query_pos, return_probs=True)
+        update_attention_stats(cache, 0, md, probs, query_pos, G, obs_window=2, history_window=4)
+        update_attn_stats(query, cache.key_cache(0), md.block_tables, md.cache_lens, query_pos,
+                          cache.key_positions(0), mirror, obs_window=2, history_window=4, block_n=16)
+        for n in STAT_NAMES:
+            torch.testing.assert_close(mirror[n], cache.store.tensor(n)[0], atol=2e-6, rtol=1e-5,
+                                       msg=lambda m, n=n, s=step: f"step {s} {n}: {m}")
+        if step == 2:  # evict some tokens and reclaim: stats move with their tokens (mirror them too)
+            for r in reqs:
+                live = cache.live_tokens(r)
+                keep = torch.ones(1 if granularity == "request" else L * H, live, dtype=torch.bool)
+                keep[:, rng.choice(np.arange(1, live - 1), size=3, replace=False)] = False
+                cache.apply_keep_mask(r, keep)
+            cache.reclaim(reqs)
+            cache.fence()
+            for n in STAT_NAMES:
+                mirror[n].copy_(cache.store.tensor(n)[0])
