@@ -41,14 +41,16 @@ bench: install
 bench-full: install
 	$(VENV)/bin/vtoken-cli bench blocks --json results/bench_blocks.json
 
-# Triton kernels run under TRITON_INTERPRET=1 (set by tests/triton/conftest.py), in their own
-# process so the interpreter flag never reaches the vLLM engines of the main run.
+# Three processes: Triton kernels run under TRITON_INTERPRET=1 (set by tests/triton/conftest.py) and
+# vLLM engines start in-process, so neither the interpreter flag nor modules imported by the other
+# suites (numba's JIT confuses vLLM's kernel rebinding on a second engine start) leak between them.
 test: install kvpress
-	$(PY) -m pytest -q -p no:cacheprovider --ignore=tests/triton
+	$(PY) -m pytest -q -p no:cacheprovider --ignore=tests/triton --ignore=tests/vllm
 	$(PY) -m pytest -q -p no:cacheprovider tests/triton
+	$(PY) -m pytest -q -p no:cacheprovider tests/vllm
 
 test-fast: install
-	$(PY) -m pytest -q -p no:cacheprovider -m "not slow and not vllm"
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow and not vllm" --ignore=tests/triton --ignore=tests/vllm
 
 lint: install
 	$(VENV)/bin/ruff check vtoken_sdk runtime cli policies tests benchmarks

@@ -16,8 +16,10 @@ from rich.console import Console
 from rich.table import Table
 
 from .experiments import ALL_POLICIES
+from .serve_cmd import serve
 
 bench_app = typer.Typer(no_args_is_help=True, help="benchmarks: masks, blocks, serve")
+bench_app.command("serve")(serve)
 out = Console(width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True)
 

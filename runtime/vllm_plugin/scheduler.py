@@ -1,0 +1,124 @@
+"""Scheduler side of the vLLM plugin: allocation and freeing by cache length.
+
+vLLM's scheduler sizes a request's KV blocks from ``request.num_computed_tokens`` (the TRUE length,
+which drives positions, stop checks and max_model_len and must not change). vToken keeps that and
+subtracts, for allocation only, the tokens the worker evicted:
+
+    blocks needed = cdiv(num_computed_tokens - evicted + num_new_tokens, block_size)
+
+``evicted`` is learnt from the worker's report attached to the ModelRunnerOutput of the same step
+(``vtoken_report = {req_id: cache_length}``; synchronous scheduling, so the report always arrives
+before the next ``schedule()``). When a report arrives the request's tail blocks beyond
+``cdiv(cache_length, block_size)`` go back to vLLM's block pool (tail first), exactly the blocks the
+worker dropped from its block-table row, and the next ``schedule()`` can admit more requests.
+Preemption (recompute) and finishing free everything as usual and reset ``evicted``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import RequestStatus
+
+from vtoken_runtime.token_table import cdiv
+
+from .config import PluginConfig
+
+log = logging.getLogger("vtoken.vllm")
+
+
+def check_supported(vllm_config: Any) -> None:
+    """Refuse configurations the plugin does not handle, with a clear message (start-up time)."""
+    cc, sc = vllm_config.cache_config, vllm_config.scheduler_config
+    if cc.enable_prefix_caching:
+        raise ValueError("vtoken: prefix caching is not supported with token eviction (a shared block would "
+                         "be compacted under another request); start the engine with enable_prefix_caching=False "
+                         "(vllm_engine_args() does this)")
+    if getattr(sc, "async_scheduling", False):
+        raise ValueError("vtoken: async scheduling is not supported (the scheduler needs the step's eviction "
+                         "report before the next schedule()); set async_scheduling=False")
+    if vllm_config.speculative_config is not None:
+        raise ValueError("vtoken: speculative decoding is not supported")
+    if vllm_config.kv_transfer_config is not None:
+        raise ValueError("vtoken: KV transfer connectors are not supported")
+    pc = vllm_config.parallel_config
+    if pc.pipeline_parallel_size > 1 or pc.tensor_parallel_size > 1:
+        log.warning("vtoken: multi-rank (TP=%d, PP=%d) is designed but not verified; see docs/vllm.md",
+                    pc.tensor_parallel_size, pc.pipeline_parallel_size)
+
+
+class VTokenScheduler(Scheduler):
+    """vLLM v1 ``Scheduler`` allocating by cache length and freeing tail blocks after reclamation."""
+
+    def __init__(self, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
+        self._vt_cfg = PluginConfig.from_vllm_config(vllm_config)
+        check_supported(vllm_config)
+        super().__init__(vllm_config, *args, **kwargs)
+        groups = self.kv_cache_config.kv_cache_groups
+        if len(groups) != 1:
+            raise ValueError(f"vtoken: only one KV cache group is supported, got {len(groups)}")
+        self._vt_block_size = groups[0].kv_cache_spec.block_size
+        self._vt_evicted: dict[str, int] = {}
+        self.vtoken_stats = {"reports": 0, "blocks_freed": 0, "max_running": 0}
+        mgr = self.kv_cache_manager
+        orig = mgr.allocate_slots
+
+        def allocate_slots(request: Any, num_new_tokens: int, *a: Any, **kw: Any) -> Any:
+            ev = self._vt_evicted.get(request.request_id, 0)
+            if not ev:
+                return orig(request, num_new_tokens, *a, **kw)
+            request.num_computed_tokens -= ev  # allocation by cache length; restored right after
+            try:
+                return orig(request, num_new_tokens, *a, **kw)
+            finally:
+                request.num_computed_tokens += ev
+
+        mgr.allocate_slots = allocate_slots
+
+    # ------------------------------------------------------------------ bookkeeping
+    def evicted_tokens(self, req_id: str) -> int:
+        """Tokens of ``req_id`` no longer in the cache (its true length minus its cache length)."""
+        return self._vt_evicted.get(req_id, 0)
+
+    def held_blocks(self, req_id: str) -> int:
+        mgr = self.kv_cache_manager.coordinator.single_type_managers[0]
+        return len(mgr.req_to_blocks.get(req_id, ()))
+
+    def _free_request_blocks(self, request: Any) -> None:
+        self._vt_evicted.pop(request.request_id, None)
+        super()._free_request_blocks(request)
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().schedule(*args, **kwargs)
+        self.vtoken_stats["max_running"] = max(self.vtoken_stats["max_running"], len(self.running))
+        return out
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        report = getattr(model_runner_output, "vtoken_report", None)
+        if report:
+            self._vt_apply(report)
+        return super().update_from_output(scheduler_output, model_runner_output)
+
+    def _vt_apply(self, report: dict[str, int]) -> None:
+        self.vtoken_stats["reports"] += 1
+        mgr = self.kv_cache_manager.coordinator.single_type_managers[0]
+        pool = self.kv_cache_manager.block_pool
+        bs = self._vt_block_size
+        for rid, length in report.items():
+            req = self.requests.get(rid)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue
+            ev = int(req.num_computed_tokens) - int(length)
+            if ev < 0:
+                raise RuntimeError(f"vtoken: request {rid} reports cache length {length} > true length "
+                                   f"{req.num_computed_tokens}")
+            self._vt_evicted[rid] = ev
+            blocks = mgr.req_to_blocks.get(rid)
+            keep = cdiv(int(length), bs)
+            if blocks is not None and len(blocks) > keep:
+                tail = blocks[keep:]
+                del blocks[keep:]
+                pool.free_blocks(reversed(tail))
+                self.vtoken_stats["blocks_freed"] += len(tail)

@@ -1,0 +1,517 @@
+"""Worker side of the vLLM plugin: the token table, eviction and reclamation on the real KV tensors.
+
+``VTokenCPUWorker`` is vLLM's ``CPUWorker`` whose model runner is switched (after construction) to
+``VTokenCPUModelRunner``. Per engine step:
+
+    _update_states      fence the previous plan (I3: the scheduler may hand freed blocks to others,
+                        and vLLM zeroes new blocks before any input preparation); forget finished and
+                        preempted requests (recompute: they come back with num_computed_tokens = 0)
+    _prepare_inputs     vLLM builds inputs from TRUE positions (RoPE, stop checks untouched); then
+                        every request reserves its new tokens in the VTokenCache (block ids come from
+                        the request's vLLM block-table row), and the slot mapping and ``seq_lens`` are
+                        rewritten by CACHE length: slot of new token i = row[(used + i) // bs] * bs +
+                        (used + i) % bs, seq_len = used + n. Causal alignment of the chunk is
+                        ``seq_len - query_len`` as before; the cached prefix may be in any order
+                        (RoPE was applied before caching).
+    forward             the unmodified paged kernel; the impl wrapper collects the declared statistics
+    sample_tokens       after sampling: requests whose prompt is complete and whose live count exceeds
+                        budget + slack are evicted (one batched keep-mask call of the compiled policy),
+                        reclaimed (plan + async copy on the real KV tensors, fenced before the next
+                        attention), their block-table rows truncated to the blocks the scheduler keeps,
+                        and ``{req_id: scheduler cache length}`` is attached to the ModelRunnerOutput
+                        (``vtoken_report``) for the scheduler, which frees the same tail blocks.
+
+Naive-Evict mode: the same decisions and the same (compacted, exact) attention, but the reported
+length follows the naive rule (a block is held while any token ever placed in it is live), so the
+scheduler holds exactly the blocks Naive-Evict would hold; the extra blocks stay at the end of the
+row, unused.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from vtoken_runtime.block_pool import BlockPool
+from vtoken_runtime.copy_engine import CopyEngine
+from vtoken_runtime.token_table import cdiv
+
+from .collector import StatsCollector, StepContext, VTokenAttentionImpl, build_step_index
+from .config import PluginConfig, RequestOptions, request_options
+
+log = logging.getLogger("vtoken.vllm")
+
+
+class ExternalPool(BlockPool):
+    """The VTokenCache's pool, driven by vLLM's allocator: ``feed(ids)`` names the blocks the next
+    ``reserve`` takes (the tail of the request's vLLM block-table row). Refcounts and the POOL
+    invariant are kept as in :class:`BlockPool`, so the cache's own checks stay meaningful."""
+
+    def __init__(self, num_blocks: int, debug: bool | None = None) -> None:
+        super().__init__(num_blocks, debug=debug)
+        self._feed: list[int] = []
+
+    def feed(self, ids: Sequence[int]) -> None:
+        self._feed = [int(b) for b in ids]
+
+    def allocate(self, n: int) -> list[int] | None:
+        if n < 0:
+            raise ValueError(f"cannot allocate a negative number of blocks ({n})")
+        if n > len(self._feed):
+            raise RuntimeError(f"vtoken: the scheduler allocated {len(self._feed)} new block(s) but the cache "
+                               f"needs {n} (allocation by cache length out of sync)")
+        out, self._feed = self._feed[:n], self._feed[n:]
+        if (self._ref[out] != 0).any():
+            raise RuntimeError(f"vtoken: block(s) {out} handed out by vLLM are still held in the token table")
+        for b in out:
+            self._free.remove(b)
+        self._ref[out] += 1
+        return out
+
+
+def probe_cpu_kv_layout(isa: str, dtype: torch.dtype, block_size: int, head_size: int
+                        ) -> tuple[np.ndarray, np.ndarray]:
+    """Where vLLM's CPU ``reshape_and_cache`` puts token t, dim d of K and V inside one (block, head)
+    region of ``2 * block_size * head_size`` elements: ``(kmap, vmap)`` int64 ``[block_size, head_size]``.
+
+    The layout depends on the kernel ISA (with ``vec`` fp32, K is stored dim-major ``[D, bs]`` and V
+    token-major ``[bs, D]``), so it is measured once with the real op instead of assumed.
+    """
+    from vllm import _custom_ops as ops
+
+    bs, D = block_size, head_size
+    R = 2 * bs * D
+
+    def run(kfill: torch.Tensor, vfill: torch.Tensor) -> torch.Tensor:
+        kv = torch.zeros(1, 1, bs, 2 * D, dtype=dtype)
+        view = kv.view(1, 1, 2 * bs, D)
+        kc, vc = view.chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(kfill.to(dtype).contiguous(), vfill.to(dtype).contiguous(), kc, vc, torch.arange(bs, dtype=torch.int64),
+                                       isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+        return kv.reshape(-1).float()
+
+    t_code = (torch.arange(bs, dtype=torch.float32) + 1)[:, None, None].expand(bs, 1, D)
+    d_code = (torch.arange(D, dtype=torch.float32) + 1)[None, None, :].expand(bs, 1, D)
+    zero = torch.zeros(bs, 1, D)
+    maps = []
+    for is_k in (True, False):
+        ft = run(t_code, zero) if is_k else run(zero, t_code)
+        fd = run(d_code, zero) if is_k else run(zero, d_code)
+        pos = torch.nonzero(ft != 0).flatten()
+        if pos.numel() != bs * D:
+            raise RuntimeError(f"vtoken: cannot probe the CPU KV layout for isa={isa!r} (found {pos.numel()} cells)")
+        m = np.full((bs, D), -1, dtype=np.int64)
+        m[(ft[pos] - 1).long().numpy(), (fd[pos] - 1).long().numpy()] = pos.numpy()
+        if (m < 0).any() or np.unique(m).size != bs * D or m.max() >= R:
+            raise RuntimeError(f"vtoken: CPU KV layout for isa={isa!r} is not a permutation of the block")
+        maps.append(m)
+    return maps[0], maps[1]
+
+
+class VllmCpuCopyEngine(CopyEngine):
+    """Copy engine for vLLM's CPU KV tensors ``[NB, H, bs, 2D]`` whose inner layout was probed
+    (:func:`probe_cpu_kv_layout`). Moves single elements of a flat view: a token-head move is
+    ``2 * D`` element moves (K and V), whatever the ISA's layout."""
+
+    kmap: np.ndarray
+    vmap: np.ndarray
+
+    def _kv_views(self, t: Any) -> list[torch.Tensor]:
+        if isinstance(t, tuple) or tuple(t.shape) != (self.nb, self.H, self.bs, 2 * self.D):
+            raise ValueError(f"vLLM CPU layer cache must be [{self.nb}, {self.H}, {self.bs}, {2 * self.D}]")
+        if not t.is_contiguous():
+            raise ValueError("vLLM CPU layer cache must be contiguous to be moved in place")
+        return [t.view(-1, 1)]
+
+    def _kv_index(self, slots: np.ndarray, heads: np.ndarray | None) -> np.ndarray:
+        H, bs, D = self.H, self.bs, self.D
+        R = 2 * bs * D
+        blk, off = slots // bs, slots % bs
+        if heads is None:
+            region = (blk[:, None] * H + np.arange(H, dtype=np.int64)) * R  # [m, H]
+            kv = np.concatenate([self.kmap[off], self.vmap[off]], axis=1)  # [m, 2D]
+            return (region[:, :, None] + kv[:, None, :]).reshape(-1)
+        region = (blk * H + heads) * R
+        kv = np.concatenate([self.kmap[off], self.vmap[off]], axis=1)
+        return (region[:, None] + kv).reshape(-1)
+
+    def row_bytes(self) -> int:
+        el = self._views[0][0].element_size() if self._views else 4
+        per_lh = 2 * self.D * el
+        return per_lh if self.per_head else per_lh * self.H * len(self._views)
+
+
+def _affine(m: np.ndarray) -> tuple[int, int, int] | None:
+    """``(offset, stride_t, stride_d)`` if ``m[t, d] = offset + t * st + d * sd``, else None."""
+    o = int(m[0, 0])
+    st = int(m[1, 0] - o) if m.shape[0] > 1 else 0
+    sd = int(m[0, 1] - o) if m.shape[1] > 1 else 0
+    t = np.arange(m.shape[0])[:, None]
+    d = np.arange(m.shape[1])[None, :]
+    return (o, st, sd) if bool((m == o + t * st + d * sd).all()) else None
+
+
+def use_vllm_cpu_layout(cache: Any, isa: str) -> None:
+    """Point the cache's K/V views and copy engine at the real (probed) vLLM CPU layout."""
+    eng = cache.engine
+    D, bs, H = cache.head_size, cache.block_size, cache.num_kv_heads
+    dtype = cache.kv_caches[0].dtype
+    kmap, vmap = probe_cpu_kv_layout(isa, dtype, bs, D)
+    ka, va = _affine(kmap), _affine(vmap)
+    if ka is None or va is None:
+        raise ValueError(f"vtoken: the CPU KV layout of isa={isa!r} ({dtype}) is not affine per block; "
+                         "the torch reference views cannot address it (use float32 or another ISA)")
+    R = 2 * bs * D
+    for li, t in enumerate(cache.kv_caches):
+        for views, (o, st, sd) in ((cache._k, ka), (cache._v, va)):
+            views[li] = t.as_strided((t.shape[0], bs, H, D), (H * R, st, R, sd), t.storage_offset() + o)
+    new = VllmCpuCopyEngine.__new__(VllmCpuCopyEngine)
+    new.kmap, new.vmap = kmap, vmap
+    new.__init__(cache.kv_caches, "vllm_cpu", H, D, bs, cache.num_blocks, cache.store,
+                 per_head=cache.granularity == "head", async_copy=eng._async, chunk_bytes=eng.chunk_bytes)
+    cache.engine = new
+
+
+def naive_len(st: Any) -> int:
+    """Scheduler cache length under the naive rule: slots of the naive layout (full blocks + open tail)."""
+    if not st.naive_counts:
+        return 0
+    return (len(st.naive_counts) - 1) * st.block_size + int(st.naive_counts[-1])
+
+
+class VTokenRunnerMixin:
+    """Mixed into vLLM's CPU model runner (see module doc). Attributes are prefixed ``_vt``."""
+
+    # ------------------------------------------------------------------ setup
+    def _vt_setup(self) -> None:
+        cfg = PluginConfig.from_vllm_config(self.vllm_config)
+        self._vt_cfg = cfg
+        self._vt_policy = cfg.load_policy()
+        self._vt_compiled = self._vt_policy.compile("torch") if self._vt_policy is not None else None
+        self._vt_cache: Any = None
+        self._vt_collector: StatsCollector | None = None
+        self._vt_step: StepContext | None = None
+        self._vt_opts: dict[str, RequestOptions] = {}
+        self._vt_failed: dict[str, str] = {}
+        self._vt_n_sched: dict[str, int] = {}
+        self.vtoken_trace: dict[str, list[tuple[int, int, np.ndarray]]] | None = None
+        self.vtoken_counters = {"evictions": 0, "tokens_evicted": 0, "tokens_moved": 0, "blocks_freed": 0,
+                                "policy_failures": 0, "policy_seconds": 0.0, "reclaim_seconds": 0.0,
+                                "prepare_seconds": 0.0, "steps": 0}
+
+    def initialize_kv_cache(self, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
+        super().initialize_kv_cache(kv_cache_config, *args, **kwargs)  # type: ignore[misc]
+        if kwargs.get("is_profiling") or (args and args[0] is True):
+            return
+        self._vt_build_cache(kv_cache_config)
+
+    def _vt_build_cache(self, kv_cache_config: Any) -> None:
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention import Attention
+        from vllm.model_executor.models.utils import extract_layer_index
+        from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+        from vtoken_runtime.cache import VTokenCache
+
+        groups = kv_cache_config.kv_cache_groups
+        if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec):
+            raise ValueError("vtoken: only models with one full-attention KV cache group are supported "
+                             f"(got {[type(g.kv_cache_spec).__name__ for g in groups]})")
+        spec = groups[0].kv_cache_spec
+        if getattr(spec, "sliding_window", None):
+            raise ValueError("vtoken: sliding-window attention is not supported")
+        layers = get_layers_from_vllm_config(self.vllm_config, Attention, groups[0].layer_names)
+        names = sorted(layers, key=extract_layer_index)
+        kv = [self.compilation_config.static_forward_context[n].kv_cache for n in names]
+        if isinstance(kv[0], list):  # older vLLM: one tensor per virtual engine
+            kv = [t[0] for t in kv]
+        nb, H, bs, d2 = kv[0].shape
+        pol = self._vt_policy
+        stat_names = tuple(sorted(pol.stored_reads)) if pol is not None else ()
+        sched = self.vllm_config.scheduler_config
+        # The runtime's numba copy path is kept out of vLLM processes: once numba is imported, vLLM's
+        # kernel-rebinding scan of sys.modules (init_worker of the next engine in the same process)
+        # crashes on numba's '_lib_fn_wrapper' objects. VTOKEN_CPU_COPY set by the user still wins.
+        os.environ.setdefault("VTOKEN_CPU_COPY", "torch")
+        cache = VTokenCache(
+            num_layers=len(names), num_kv_heads=H, head_size=d2 // 2, block_size=bs, num_blocks=nb,
+            granularity=pol.granularity if pol is not None else "request",
+            mode="compact" if self._vt_cfg.mode == "naive" else self._vt_cfg.mode,
+            kv_layout="vllm_cpu", dtype=kv[0].dtype, device=kv[0].device, stat_names=stat_names,
+            max_requests=int(sched.max_num_seqs) + 8,
+            max_blocks_per_request=cdiv(int(self.max_model_len), bs) + 2,
+            kv_caches=list(kv), async_copy=True, debug=self._vt_cfg.debug)
+        cache.pool = ExternalPool(nb, debug=self._vt_cfg.debug)
+        use_vllm_cpu_layout(cache, getattr(layers[names[0]], "isa", None) or "vec")
+        self._vt_cache = cache
+        if stat_names:
+            self._vt_collector = StatsCollector(cache, stat_names, pol.spec.stats)
+        for i, n in enumerate(names):
+            layer = layers[n]
+            if not isinstance(layer.impl, VTokenAttentionImpl):
+                layer.impl = VTokenAttentionImpl(layer.impl, self, i)
+        log.info("vtoken: policy=%s mode=%s granularity=%s stats=%s blocks=%d x %d tokens, %d layers x %d kv heads",
+                 pol.name if pol is not None else "none", self._vt_cfg.mode, cache.granularity, list(stat_names),
+                 nb, bs, len(names), H)
+
+    @property
+    def vtoken_cache(self) -> Any:
+        return self._vt_cache
+
+    # ------------------------------------------------------------------ per-request options
+    def _vt_options(self, req_id: str) -> RequestOptions:
+        opts = self._vt_opts.get(req_id)
+        if opts is None:
+            state = self.requests.get(req_id)
+            try:
+                opts = request_options(getattr(state, "sampling_params", None))
+            except ValueError as e:
+                log.warning("vtoken: request %s: %s; eviction disabled for it", req_id, e)
+                opts = RequestOptions(enabled=False)
+            self._vt_opts[req_id] = opts
+        return opts
+
+    def _vt_eligible(self, req_id: str) -> bool:
+        return self._vt_policy is not None and req_id not in self._vt_failed and self._vt_options(req_id).enabled
+
+    # ------------------------------------------------------------------ step hooks
+    def _update_states(self, scheduler_output: Any) -> Any:
+        cache = self._vt_cache
+        if cache is not None:
+            cache.fence()
+            for rid in scheduler_output.preempted_req_ids or ():
+                if rid in cache.table.requests:
+                    cache.preempt(rid)  # recompute: the request comes back with num_computed_tokens = 0
+            for rid in scheduler_output.finished_req_ids:
+                if rid in cache.table.requests:
+                    cache.free(rid)
+            for rid in scheduler_output.finished_req_ids:
+                self._vt_opts.pop(rid, None)
+                self._vt_failed.pop(rid, None)
+                self._vt_n_sched.pop(rid, None)
+        return super()._update_states(scheduler_output)  # type: ignore[misc]
+
+    def _prepare_inputs(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> Any:
+        out = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)  # type: ignore[misc]
+        cache = self._vt_cache
+        self._vt_step = None
+        if cache is None:
+            return out
+        t_in = time.perf_counter()
+        ib = self.input_batch
+        num_reqs = ib.num_reqs
+        req_ids = list(ib.req_ids[:num_reqs])
+        bt = ib.block_table[0]
+        qsl = self.query_start_loc.np[: num_reqs + 1]
+        computed = ib.num_computed_tokens_cpu[:num_reqs]
+        slot_np = bt.slot_mapping.np
+        seq = np.zeros(num_reqs, dtype=np.int32)
+        for i, rid in enumerate(req_ids):
+            n = int(num_scheduled_tokens[i])
+            start = int(computed[i])
+            st = cache.table.requests.get(rid)
+            if st is not None and st.logical_len != start:  # reset behind our back (recompute)
+                cache.free(rid)
+                st = None
+            if st is None:
+                if start != 0:
+                    raise RuntimeError(f"vtoken: request {rid} starts at position {start} without a token-table "
+                                       "entry (prefix caching / KV transfer are not supported)")
+                opts = self._vt_options(rid)
+                pins = np.concatenate([np.arange(a, b) for a, b in opts.pinned_spans]) if opts.pinned_spans else None
+                if cache.add_request(rid, pins) is None:
+                    raise RuntimeError("vtoken: token table full (max_num_seqs exceeded)")
+                st = cache.table.requests[rid]
+            nrow = int(bt.num_blocks_per_row[i])
+            cache.pool.feed(bt.block_table.np[i, len(st.blocks):nrow])
+            slots = cache.reserve(rid, n)
+            if slots is None:  # ExternalPool raises instead; kept for clarity
+                raise RuntimeError(f"vtoken: no blocks for request {rid}")
+            slot_np[qsl[i]:qsl[i + 1]] = slots
+            seq[i] = st.used
+            if self.vtoken_trace is not None:  # tests: the key set each query of this step attends to
+                self.vtoken_trace.setdefault(rid, []).append((start, n, cache.live_view(rid)[0].copy()))
+            self._vt_n_sched[rid] = n
+        total = int(qsl[num_reqs])
+        bt.slot_mapping.copy_to_gpu(total)
+        self.seq_lens[:num_reqs].copy_(torch.from_numpy(seq).to(self.seq_lens.device))
+        sel = [i for i, rid in enumerate(req_ids) if self._vt_eligible(rid)]
+        collect = self._vt_collector is not None and bool(self._vt_collector.attn) and bool(sel)
+        if collect:
+            md = cache.attention_metadata([req_ids[i] for i in sel])  # fences the deferred slot writes
+            tok, qpos = build_step_index(qsl, self.positions[:total].cpu().numpy(), sel)
+            plen = torch.as_tensor([self.requests[req_ids[i]].num_prompt_tokens for i in sel], dtype=torch.int64)
+            self._vt_step = StepContext([req_ids[i] for i in sel], md, tok, qpos, plen, True)
+        else:
+            cache.fence()
+            self._vt_step = StepContext([], None, torch.zeros(0), torch.zeros(0), torch.zeros(0), False)
+        self._vt_batch = req_ids
+        self.vtoken_counters["prepare_seconds"] += time.perf_counter() - t_in
+        self.vtoken_counters["steps"] += 1
+        return out
+
+    def sample_tokens(self, grammar_output: Any) -> Any:
+        out = super().sample_tokens(grammar_output)  # type: ignore[misc]
+        if self._vt_step is None or self._vt_cache is None:
+            return out
+        self._vt_step = None
+        report = self._vt_after_step(self._vt_batch)
+        from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
+
+        if report and isinstance(out, ModelRunnerOutput) and out is not EMPTY_MODEL_RUNNER_OUTPUT:
+            out.vtoken_report = report  # type: ignore[attr-defined]
+        elif report:
+            log.warning("vtoken: eviction report could not be attached to %s", type(out).__name__)
+        return out
+
+    # ------------------------------------------------------------------ eviction
+    def _vt_after_step(self, req_ids: list[str]) -> dict[str, int]:
+        cache, pol = self._vt_cache, self._vt_policy
+        report: dict[str, int] = {}
+        if pol is None:
+            return report
+        b = pol.budget
+        cands: list[tuple[str, int]] = []
+        for rid in req_ids:
+            if not self._vt_eligible(rid) or rid not in cache.table.requests:
+                continue
+            st = cache.table.requests[rid]
+            seq = st.logical_len
+            plen = int(self.requests[rid].num_prompt_tokens)
+            if seq < plen:
+                continue  # mid-prompt chunk: evict once the prompt is complete
+            phase = "prefill" if seq - self._vt_n_sched.get(rid, 0) < plen else "decode"
+            if b.when != "both" and b.when != phase:
+                continue
+            budget = self._vt_options(rid).budget(seq, b.resolve(seq))
+            if st.num_live > budget + b.slack:
+                cands.append((rid, budget))
+        if not cands:
+            return report
+        t0 = time.perf_counter()
+        masks = self._vt_masks(cands)
+        t1 = time.perf_counter()
+        evicted_ids = []
+        for rid, keep in masks.items():
+            try:
+                n = cache.apply_keep_mask(rid, keep)
+            except Exception as e:  # a mask policy broke the contract: only this request is affected
+                self._vt_fail(rid, e)
+                continue
+            if n:
+                evicted_ids.append(rid)
+                self.vtoken_counters["tokens_evicted"] += n
+        if evicted_ids:
+            rs = cache.reclaim(evicted_ids)
+            self.vtoken_counters["evictions"] += len(evicted_ids)
+            self.vtoken_counters["tokens_moved"] += rs.tokens_moved
+            self.vtoken_counters["blocks_freed"] += rs.blocks_freed
+            bt = self.input_batch.block_table[0]
+            naive = self._vt_cfg.mode == "naive"
+            for rid in evicted_ids:
+                st = cache.table.requests[rid]
+                length = naive_len(st) if naive else st.used
+                keep_blocks = cdiv(length, cache.block_size)
+                row = self.input_batch.req_id_to_index[rid]
+                if bt.num_blocks_per_row[row] > keep_blocks:
+                    bt.num_blocks_per_row[row] = keep_blocks
+                report[rid] = length
+            if self._vt_cfg.debug:
+                cache.fence()
+                cache.check_invariants()
+        self.vtoken_counters["policy_seconds"] += t1 - t0
+        self.vtoken_counters["reclaim_seconds"] += time.perf_counter() - t1
+        return report
+
+    def _vt_fail(self, rid: str, err: BaseException) -> None:
+        self._vt_failed[rid] = f"{type(err).__name__}: {err}"
+        self.vtoken_counters["policy_failures"] += 1
+        log.warning("vtoken: policy failed for request %s (%s: %s); falling back to no eviction for it",
+                    rid, type(err).__name__, err)
+
+    def _vt_masks(self, cands: list[tuple[str, int]]) -> dict[str, np.ndarray]:
+        """Keep masks ``[R, n_live]`` per request; a batch failure is retried per request so that a
+        policy error affects only the request(s) it happens on."""
+        try:
+            return self._vt_masks_batch(cands)
+        except Exception:
+            if len(cands) == 1:
+                self._vt_fail(cands[0][0], _last_error())
+                return {}
+        out: dict[str, np.ndarray] = {}
+        for c in cands:
+            try:
+                out.update(self._vt_masks_batch([c]))
+            except Exception as e:
+                self._vt_fail(c[0], e)
+        return out
+
+    def _vt_masks_batch(self, cands: list[tuple[str, int]]) -> dict[str, np.ndarray]:
+        from vtoken_sdk.batch import StatsBatch
+
+        cache, pol = self._vt_cache, self._vt_policy
+        L, H = cache.num_layers, cache.num_kv_heads
+        head = cache.granularity == "head"
+        names = tuple(sorted(pol.stored_reads))
+        views = [cache.live_view(rid) for rid, _ in cands]
+        ns = [int(v[0].shape[1]) for v in views]
+        B, N = len(cands), max(ns)
+        stats = {s: torch.zeros(B, L, H, N) for s in names}
+        pos = torch.zeros(B, L if head else 1, H if head else 1, N, dtype=torch.int64)
+        pinned = None
+        for bi, ((rid, _), (p, _), n) in enumerate(zip(cands, views, ns, strict=True)):
+            pt = torch.from_numpy(p)
+            pos[bi, ..., :n] = pt.view(L, H, n) if head else pt.view(1, 1, n)
+            if names:
+                for s, t in cache.gather_stats(rid, names).items():
+                    stats[s][bi, :, :, :n] = t
+            spans = self._vt_options(rid).pinned_spans
+            if spans:
+                if pinned is None:
+                    pinned = torch.zeros(pos.shape, dtype=torch.bool)
+                for a, e in spans:
+                    pinned[bi] |= (pos[bi] >= a) & (pos[bi] < e)
+        seq = torch.as_tensor([cache.logical_len(rid) for rid, _ in cands], dtype=torch.int64)
+        batch = StatsBatch(stats=stats, lengths=torch.as_tensor(ns, dtype=torch.int64), positions=pos, seq_lens=seq,
+                           pinned=pinned, budget=torch.as_tensor([bud for _, bud in cands], dtype=torch.int64))
+        keep = self._vt_compiled.keep_mask(batch)  # [B, L, H, N]
+        out = {}
+        for bi, (rid, _) in enumerate(cands):
+            k = keep[bi, ..., : ns[bi]]
+            out[rid] = (k.reshape(L * H, ns[bi]) if head else k[0, 0][None]).cpu().numpy().astype(bool)
+        return out
+
+
+def _last_error() -> BaseException:
+    import sys
+
+    e = sys.exc_info()[1]
+    return e if e is not None else RuntimeError("unknown policy error")
+
+
+def _runner_class(base: type) -> type:
+    return type(f"VToken{base.__name__}", (VTokenRunnerMixin, base), {})
+
+
+try:  # vLLM is optional for importing this module's helpers
+    from vllm.v1.worker.cpu_worker import CPUWorker as _CPUWorker
+except Exception:  # pragma: no cover - vLLM missing
+    _CPUWorker = object  # type: ignore[assignment,misc]
+
+
+class VTokenCPUWorker(_CPUWorker):  # type: ignore[misc,valid-type]
+    """vLLM's CPU worker with the vToken model runner (configured by ``vllm_engine_args``)."""
+
+    def init_device(self) -> None:
+        super().init_device()
+        runner = self.model_runner
+        if getattr(self, "use_v2_model_runner", False):
+            raise ValueError("vtoken: the V2 model runner is not supported; set VLLM_USE_V2_MODEL_RUNNER=0")
+        runner.__class__ = _runner_class(type(runner))
+        runner._vt_setup()

@@ -1,0 +1,148 @@
+"""Helpers for the vLLM plugin tests: in-process engines, reaching the scheduler / model runner, and an
+HF reference that replays exactly the key sets the engine attended (per layer and KV head)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",
+       "VLLM_USE_V2_MODEL_RUNNER": "0", "HF_HUB_OFFLINE": "1"}
+
+
+def set_env() -> None:
+    for k, v in ENV.items():
+        os.environ.setdefault(k, v)
+
+
+def make_tiny_model(path: Path, seed: int = 0) -> Path:
+    """A tiny random Llama vLLM's CPU backend accepts (head size 32, GQA 4:2, 2 layers, vocab 512)."""
+    from vtoken_runtime.models import tiny_llama
+
+    if (path / "config.json").exists():
+        return path
+    m = tiny_llama(seed=seed, hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32, num_layers=2,
+                   intermediate_size=256, vocab_size=512)
+    m.config.torch_dtype = "float32"
+    m.save_pretrained(str(path))
+    return path
+
+
+def engine(model: str | Path, plugin: dict[str, Any] | None, *, max_model_len: int = 512, blocks: int = 64,
+           max_num_seqs: int = 8, block_size: int = 32, tokenizer: bool = False, **kw: Any) -> Any:
+    """An in-process vLLM ``LLM`` (fp32, eager). ``plugin=None`` is vanilla vLLM; otherwise the kwargs of
+    ``vllm_engine_args``. ``blocks`` sizes the KV cache through ``kv_cache_memory_bytes``."""
+    set_env()
+    from transformers import AutoConfig
+    from vllm import LLM
+
+    from vtoken_runtime.vllm_plugin import vllm_engine_args
+
+    cfg = AutoConfig.from_pretrained(str(model))
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    per_block = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * hd * block_size * 4
+    args: dict[str, Any] = dict(model=str(model), skip_tokenizer_init=not tokenizer, dtype="float32",
+                                max_model_len=max_model_len, block_size=block_size,
+                                kv_cache_memory_bytes=blocks * per_block, enforce_eager=True,
+                                max_num_seqs=max_num_seqs, seed=0, enable_prefix_caching=False)
+    if plugin is not None:
+        args.update(vllm_engine_args(**plugin))
+    args.update(kw)
+    return LLM(**args)
+
+
+def core(llm: Any) -> Any:
+    return llm.llm_engine.engine_core.engine_core
+
+
+def scheduler(llm: Any) -> Any:
+    return core(llm).scheduler
+
+
+def runner(llm: Any) -> Any:
+    ex = core(llm).model_executor
+    w = ex.driver_worker
+    return getattr(w, "worker", w).model_runner
+
+
+def prompts(lengths: list[int], seed: int = 0, vocab: int = 512) -> list[list[int]]:
+    g = np.random.default_rng(seed)
+    return [g.integers(3, vocab - 2, size=n).tolist() for n in lengths]
+
+
+def generate(llm: Any, token_prompts: list[list[int]], max_tokens: int | list[int] = 24,
+             extra: list[dict | None] | None = None) -> list[list[int]]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    n = len(token_prompts)
+    mts = max_tokens if isinstance(max_tokens, list) else [max_tokens] * n
+    sps = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True,
+                          extra_args=({"vtoken": extra[i]} if extra and extra[i] is not None else None))
+           for i, m in enumerate(mts)]
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in token_prompts], sps, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+# ---------------------------------------------------------------------------------------------- HF replay
+_MASKS: dict[int, torch.Tensor] = {}
+
+
+def _replay_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: Any, scaling: float, dropout: float = 0.0, **kw: Any) -> Any:
+    """Eager attention with a per-(layer, KV head) boolean key mask ``[Hkv, Q, K]``."""
+    from transformers.models.llama.modeling_llama import repeat_kv
+
+    allow = _MASKS[module.layer_idx]  # [Hkv, Q, K]
+    G = module.num_key_value_groups
+    k = repeat_kv(key, G)
+    v = repeat_kv(value, G)
+    w = torch.matmul(query, k.transpose(2, 3)) * scaling  # [1, Hq, Q, K]
+    m = allow.repeat_interleave(G, dim=0)[None]
+    w = w.masked_fill(~m, float("-inf"))
+    p = torch.softmax(w, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(p, v).transpose(1, 2).contiguous(), p
+
+
+def replay_masks(trace: list[tuple[int, int, np.ndarray]], total: int, num_layers: int, num_kv_heads: int
+                 ) -> dict[int, torch.Tensor]:
+    """From the engine trace (per step: first position, query count, live positions [R, n] including the
+    step's own tokens) build ``{layer: [Hkv, total, total] bool}``: query i sees key j iff j was live
+    when i was processed and j <= i."""
+    allow = torch.zeros(num_layers, num_kv_heads, total, total, dtype=torch.bool)
+    for start, n, pos in trace:
+        R = pos.shape[0]
+        for q in range(start, start + n):
+            for r in range(num_layers * num_kv_heads):
+                p = pos[r if R > 1 else 0]
+                p = p[p <= q]
+                allow[r // num_kv_heads, r % num_kv_heads, q, torch.as_tensor(p)] = True
+    return {li: allow[li] for li in range(num_layers)}
+
+
+def hf_replay_logits(model_dir: str | Path, ids: list[int], masks: dict[int, torch.Tensor]) -> torch.Tensor:
+    """Logits ``[len(ids), V]`` of the HF model when each query attends exactly its replayed key set."""
+    from transformers import AttentionInterface, AutoModelForCausalLM
+
+    AttentionInterface.register("vt_replay", _replay_attention)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
+                                                 attn_implementation="vt_replay").eval()
+    _MASKS.clear()
+    _MASKS.update(masks)
+    with torch.no_grad():
+        out = model(input_ids=torch.as_tensor([ids]), use_cache=False)
+    return out.logits[0]
+
+
+def segments(trace: list[tuple[int, int, np.ndarray]]) -> list[list[tuple[int, int, np.ndarray]]]:
+    """Split a request's trace at recomputes (a step starting again at position 0 after a preemption)."""
+    out: list[list[tuple[int, int, np.ndarray]]] = []
+    for e in trace:
+        if e[0] == 0 or not out:
+            out.append([])
+        out[-1].append(e)
+    return out

