@@ -13,7 +13,6 @@ blocks are sampled after prefill and after every decode step for each block size
 
 from __future__ import annotations
 
-import json
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -21,7 +20,16 @@ from typing import Any
 
 import numpy as np
 
-from .experiments import ALL_POLICIES, Config, configured_policy, load_model, setup_torch, stat_union
+from .experiments import (  # noqa: F401 (write_json: re-exported for the CLI)
+    ALL_POLICIES,
+    Config,
+    configured_policy,
+    load_model,
+    save_figure,
+    setup_torch,
+    stat_union,
+    write_json,
+)
 
 
 def run_blocks(policies: tuple[str, ...] = ALL_POLICIES, ratios: tuple[float, ...] = (0.3, 0.5, 0.7),
@@ -127,12 +135,4 @@ def plot_blocks(result: dict[str, Any], path: Path) -> None:
         ax.set_title(f"eviction ratio {ratio}, block size {rows[0]['block_size']}")
     axes[0][0].set_ylabel("held KV blocks per request (mean over run)")
     axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def write_json(result: dict[str, Any], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2))
+    save_figure(fig, path)

@@ -14,14 +14,22 @@ prompt and then runs as its own request in one batch:
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .experiments import ALL_POLICIES, Config, configured_policy, load_model, setup_torch, stat_union
+from .experiments import (  # noqa: F401 (write_json: re-exported for the CLI)
+    ALL_POLICIES,
+    Config,
+    configured_policy,
+    load_model,
+    save_figure,
+    setup_torch,
+    stat_union,
+    write_json,
+)
 
 FULL = "full"
 
@@ -147,12 +155,4 @@ def plot_eval(result: dict[str, Any], path: Path) -> None:
     axes[1].set_xlabel("eviction ratio")
     axes[1].set_ylabel("passkey accuracy (question in prompt)")
     axes[0].legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def write_json(result: dict[str, Any], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2))
+    save_figure(fig, path)
