@@ -50,13 +50,15 @@ class ServeConfig:
 
     @classmethod
     def quick(cls) -> ServeConfig:
-        return cls(policies=("h2o", "scissorhands"), num_requests=14, prompt_len=128, output_lens=(16, 32, 48),
+        return cls(policies=("h2o", "scissorhands"), num_requests=14, prompt_len=128, output_lens=(32, 64, 96),
                    kv_blocks=32, sla_rates=(0.5, 1.0, 2.0), sla_requests=4, sla_modes="h2o0.5", overhead_repeats=1)
 
 
 @dataclass
 class RunResult:
     max_running: int = 0
+    peak_blocks: dict[str, int] = field(default_factory=dict)  # request -> most KV blocks it ever held
+    preemptions: int = 0
     seconds: float = 0.0
     output_tokens: int = 0
     latencies: list[float] = field(default_factory=list)
@@ -150,16 +152,30 @@ def run_trace(llm: Any, trace: list[tuple[list[int], int]], rate: float | None =
             continue
         outs = eng.step()
         res.max_running = max(res.max_running, len(sched.running))
+        mgr = sched.kv_cache_manager.coordinator.single_type_managers[0]
+        for req in sched.running:
+            held = len(mgr.req_to_blocks.get(req.request_id, ()))
+            res.peak_blocks[req.request_id] = max(res.peak_blocks.get(req.request_id, 0), held)
         t = time.perf_counter()
         for o in outs:
             if o.finished:
                 res.latencies.append(t - arrived[o.request_id])
                 res.output_tokens += len(o.outputs[0].token_ids)
     res.seconds = time.perf_counter() - t0
+    res.preemptions = int(getattr(sched, "num_preemptions", 0) or 0)
     st = getattr(sched, "vtoken_stats", None)
     if st:
         res.blocks_freed = int(st.get("blocks_freed", 0)) - int(stats0.get("blocks_freed", 0))
     return res
+
+
+def guaranteed_concurrency(res: RunResult, kv_blocks: int) -> int:
+    """Requests of the trace that fit together with no preemption at any point of their lives:
+    ``floor(KV blocks / mean per-request peak held blocks)`` (the footprint the scheduler must plan for)."""
+    if not res.peak_blocks:
+        return 0
+    mean_peak = sum(res.peak_blocks.values()) / len(res.peak_blocks)
+    return int(kv_blocks // mean_peak)
 
 
 def _free(llm: Any) -> None:
@@ -208,6 +224,8 @@ def run_serve_benchmark(cfg: ServeConfig, log: Any = print) -> dict[str, Any]:
     log(f"vanilla: max_concurrency={van.max_running} tok/s={van.tok_s:.1f} low-load p95={low.p95:.2f}s "
         f"SLA={van_sla} rps  [{time.perf_counter() - t_start:.0f}s]")
     rows.append({"mode": "vanilla", "policy": "none", "eviction_ratio": 0.0, "max_concurrency": van.max_running,
+                 "guaranteed_concurrency": guaranteed_concurrency(van, cfg.kv_blocks),
+                 "mean_peak_blocks": round(sum(van.peak_blocks.values()) / max(1, len(van.peak_blocks)), 2),
                  "sla_throughput_rps": van_sla, "p95_latency_s": round(van_sla_p95, 3) if van_sla else None,
                  "closed_loop_tok_s": round(van.tok_s, 2), "blocks_freed": 0})
 
@@ -221,6 +239,8 @@ def run_serve_benchmark(cfg: ServeConfig, log: Any = print) -> dict[str, Any]:
                     sla, p95 = sla_throughput(llm, sla_trace, cfg.sla_rates, slo)
                 _free(llm)
                 rows.append({"mode": label, "policy": pol, "eviction_ratio": r, "max_concurrency": res.max_running,
+                             "guaranteed_concurrency": guaranteed_concurrency(res, cfg.kv_blocks),
+                             "mean_peak_blocks": round(sum(res.peak_blocks.values()) / max(1, len(res.peak_blocks)), 2),
                              "sla_throughput_rps": sla,
                              "p95_latency_s": round(p95, 3) if sla else None,
                              "closed_loop_tok_s": round(res.tok_s, 2), "blocks_freed": res.blocks_freed})

@@ -102,13 +102,16 @@ def serve(
     table = Table(title=f"vLLM serving at a fixed KV budget ({result['kv_cache_memory_bytes'] / 2**20:.1f} MiB = "
                         f"{cfg.kv_blocks} blocks x {cfg.block_size} tokens), {cfg.num_requests} essay prompts of "
                         f"{cfg.prompt_len} tokens, outputs {list(cfg.output_lens)}")
-    for c in ("mode", "policy", "evict", "max conc.", "vs vanilla", "SLA rps", "p95 s", "closed-loop tok/s",
-              "blocks freed"):
+    for c in ("mode", "policy", "evict", "max conc.", "vs vanilla", "peak blk/req", "no-preempt conc.", "vs vanilla ",
+              "SLA rps", "p95 s", "closed-loop tok/s", "blocks freed"):
         table.add_column(c, justify="right")
     van = result["rows"][0]
     for r in result["rows"]:
         gain = r["max_concurrency"] / van["max_concurrency"] if van["max_concurrency"] else float("nan")
+        g2 = (r["guaranteed_concurrency"] / van["guaranteed_concurrency"] if van.get("guaranteed_concurrency")
+              else float("nan"))
         table.add_row(r["mode"], r["policy"], f"{r['eviction_ratio']:.1f}", str(r["max_concurrency"]), f"{gain:.2f}x",
+                      f"{r['mean_peak_blocks']:.2f}", str(r["guaranteed_concurrency"]), f"{g2:.2f}x",
                       "-" if r["sla_throughput_rps"] is None else f"{r['sla_throughput_rps']:g}",
                       "-" if r["p95_latency_s"] is None else f"{r['p95_latency_s']:.2f}",
                       f"{r['closed_loop_tok_s']:.1f}", str(r["blocks_freed"]))
