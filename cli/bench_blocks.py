@@ -24,7 +24,9 @@ from .experiments import (  # noqa: F401 (write_json: re-exported for the CLI)
     ALL_POLICIES,
     Config,
     configured_policy,
+    decode_grouped,
     load_model,
+    ratio_groups,
     save_figure,
     setup_torch,
     stat_union,
@@ -69,8 +71,9 @@ def run_blocks(policies: tuple[str, ...] = ALL_POLICIES, ratios: tuple[float, ..
             if task is not None:
                 progress.advance(task)
             nxt = [int(logits[0].argmax())] * len(keys)
+            groups = ratio_groups(configs)
             for _ in range(decode):
-                logits = s.decode(keys, nxt)
+                logits = decode_grouped(s, keys, nxt, groups)
                 nxt = logits.argmax(-1).tolist()
                 _sample(s, keys, per)
                 if task is not None:

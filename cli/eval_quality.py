@@ -24,7 +24,9 @@ from .experiments import (  # noqa: F401 (write_json: re-exported for the CLI)
     ALL_POLICIES,
     Config,
     configured_policy,
+    decode_grouped,
     load_model,
+    ratio_groups,
     save_figure,
     setup_torch,
     stat_union,
@@ -69,6 +71,7 @@ def run_eval(policies: tuple[str, ...] = ALL_POLICIES, ratios: tuple[float, ...]
     n_pk = len(passkey_lengths) * len(depths) * 2
     task = progress.add_task("eval", total=ppl_requests + n_pk) if progress is not None else None
     nll: dict[str, list[float]] = {c.key: [] for c in configs}
+    groups = ratio_groups(configs)
     # held-out windows: start far from the bench's windows (offset) so eval text is not the bench text
     windows = essay_token_requests(tok, [context + continuation], ppl_requests, offset=60_000)
     for w in windows:
@@ -84,7 +87,7 @@ def run_eval(policies: tuple[str, ...] = ALL_POLICIES, ratios: tuple[float, ...]
             for k, v in zip(keys, lp.tolist(), strict=True):
                 nll[k].append(-v)
             if t < continuation - 1:
-                logits = s.decode(keys, [target] * len(keys))
+                logits = decode_grouped(s, keys, [target] * len(keys), groups)
         s.cache.close()
         if task is not None:
             progress.advance(task)
@@ -111,7 +114,7 @@ def run_eval(policies: tuple[str, ...] = ALL_POLICIES, ratios: tuple[float, ...]
                     for o, x in zip(outs, nxt, strict=True):
                         o.append(int(x))
                     if step < answer_tokens - 1:
-                        logits = s.decode(keys, nxt, evict=mode == "in_prompt")
+                        logits = decode_grouped(s, keys, nxt, groups, evict=mode == "in_prompt")
                 for k, o in zip(keys, outs, strict=True):
                     ok = parse_passkey(tok.decode(o)) == key_value
                     passkey[k][mode].append(ok)

@@ -68,3 +68,23 @@ def save_figure(fig: Any, path: Path) -> None:
 def write_json(result: dict[str, Any], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2))
+
+
+def decode_grouped(s: Any, keys: list[str], tokens: Sequence[int], groups: Sequence[Sequence[int]],
+                   evict: bool = True) -> torch.Tensor:
+    """``s.decode`` per group of requests of similar cache length (indices into ``keys``); returns the
+    logits ``[len(keys), V]`` in ``keys`` order. The paged attention pads every request of a forward to
+    the longest one, so grouping requests by eviction ratio saves about a third of the attention work."""
+    out: list[torch.Tensor | None] = [None] * len(keys)
+    for g in groups:
+        lg = s.decode([keys[i] for i in g], [tokens[i] for i in g], evict=evict)
+        for j, i in enumerate(g):
+            out[i] = lg[j]
+    return torch.stack([x for x in out if x is not None])
+
+
+def ratio_groups(configs: Sequence[Config]) -> list[list[int]]:
+    by: dict[float, list[int]] = {}
+    for i, c in enumerate(configs):
+        by.setdefault(c.eviction_ratio, []).append(i)
+    return list(by.values())
