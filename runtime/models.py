@@ -232,6 +232,21 @@ def _build_seeded(config, seed: int, dtype: torch.dtype, attn_implementation: st
     return model.to(dtype).eval()
 
 
+def _tiny_config_kwargs(vocab_size: int, hidden_size: int, intermediate_size: int, num_layers: int,
+                        num_heads: int, num_kv_heads: int, max_position_embeddings: int, rope_theta: float,
+                        initializer_range: float) -> dict[str, Any]:
+    """Config fields the tiny Llama and Qwen2 share (sizes, RoPE, the ByteTokenizer's special ids)."""
+    return dict(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": float(rope_theta)},
+        initializer_range=initializer_range, tie_word_embeddings=False,
+        bos_token_id=ByteTokenizer.bos_token_id, eos_token_id=ByteTokenizer.eos_token_id,
+        pad_token_id=ByteTokenizer.pad_token_id,
+    )
+
+
 def tiny_llama(
     *,
     seed: int = 0,
@@ -256,22 +271,9 @@ def tiny_llama(
     """
     from transformers import LlamaConfig
 
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        head_dim=head_dim,
-        max_position_embeddings=max_position_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": float(rope_theta)},
-        initializer_range=initializer_range,
-        tie_word_embeddings=False,
-        bos_token_id=ByteTokenizer.bos_token_id,
-        eos_token_id=ByteTokenizer.eos_token_id,
-        pad_token_id=ByteTokenizer.pad_token_id,
-    )
+    config = LlamaConfig(head_dim=head_dim, **_tiny_config_kwargs(
+        vocab_size, hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads, max_position_embeddings,
+        rope_theta, initializer_range))
     return _build_seeded(config, seed, dtype, attn_implementation)
 
 
@@ -296,22 +298,9 @@ def tiny_qwen2(
     """
     from transformers import Qwen2Config
 
-    config = Qwen2Config(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        max_position_embeddings=max_position_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": float(rope_theta)},
-        initializer_range=initializer_range,
-        tie_word_embeddings=False,
-        use_sliding_window=False,
-        bos_token_id=ByteTokenizer.bos_token_id,
-        eos_token_id=ByteTokenizer.eos_token_id,
-        pad_token_id=ByteTokenizer.pad_token_id,
-    )
+    config = Qwen2Config(use_sliding_window=False, **_tiny_config_kwargs(
+        vocab_size, hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads, max_position_embeddings,
+        rope_theta, initializer_range))
     return _build_seeded(config, seed, dtype, attn_implementation)
 
 
