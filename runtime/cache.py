@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Hashable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -71,6 +71,7 @@ class AttentionMetadata:
     cache_lens: torch.Tensor
     logical_lens: torch.Tensor
     needs_mask: bool
+    scatter_cache: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 class VTokenCache:
@@ -516,6 +517,20 @@ class VTokenCache:
         self.fence()
         t = self.store.tensor(name)[layer]  # [H, S]
         B, H, Lm = values.shape
+        b_idx, j_idx, flat = self._scatter_index(md, Lm, H)
+        vals = values[b_idx, :, j_idx].T.reshape(-1).to(torch.float32)  # [H, M] -> [H*M]
+        if reduce == "sum":
+            t.view(-1).index_add_(0, flat, vals)
+        else:
+            t.view(-1).index_copy_(0, flat, vals)
+
+    def _scatter_index(self, md: AttentionMetadata, Lm: int, H: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(b_idx [M], j_idx [M], flat [H*M])``: visible (request, virtual slot) pairs of a batch and
+        their flat ``[H, num_slots]`` store indices. Identical for every layer and statistic of a step,
+        so it is computed once per metadata object."""
+        hit = md.scatter_cache.get(Lm)
+        if hit is not None:
+            return hit
         j = torch.arange(Lm, device=self.device)
         lens = md.cache_lens.to(torch.int64)
         ok = j[None, :] < lens[:, None]  # [B, Lm]
@@ -525,11 +540,8 @@ class VTokenCache:
         b_idx, j_idx = torch.nonzero(ok, as_tuple=True)
         s = slot[b_idx, j_idx]  # [M]
         flat = (torch.arange(H, device=self.device)[:, None] * self.num_slots + s[None, :]).reshape(-1)
-        vals = values[b_idx, :, j_idx].T.reshape(-1).to(torch.float32)  # [H, M] -> [H*M]
-        if reduce == "sum":
-            t.view(-1).index_add_(0, flat, vals)
-        else:
-            t.view(-1).index_copy_(0, flat, vals)
+        md.scatter_cache[Lm] = (b_idx, j_idx, flat)
+        return b_idx, j_idx, flat
 
     # ================================================================ reporting
     def held_blocks(self, req_id: ReqId) -> int:
