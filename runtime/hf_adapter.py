@@ -282,9 +282,7 @@ class HFSession:
             p = info.policy
             if p is None:
                 continue
-            live, seq = self.cache.live_tokens(r), self.cache.logical_len(r)
-            budget = info.budget if info.budget is not None else p.budget.resolve(seq)
-            if p.budget.when not in ("both", phase) or live <= budget + p.budget.slack:
+            if not p.budget.should_evict(self.cache.live_tokens(r), self.cache.logical_len(r), phase, info.budget):
                 continue
             groups.setdefault(id(p), []).append(r)
         evicted = 0

@@ -62,8 +62,9 @@ class Budget(BaseModel):
             base = math.floor(self.ratio * seq_len + 0.5)
         return max(self.min_tokens, base)
 
-    def should_evict(self, live: int, seq_len: int, phase: Phase) -> bool:
-        """True when a request with ``live`` cached tokens must be trimmed now."""
+    def should_evict(self, live: int, seq_len: int, phase: Phase, budget: int | None = None) -> bool:
+        """True when a request with ``live`` cached tokens must be trimmed now (``budget``: a
+        per-request override of :meth:`resolve`)."""
         if self.when != "both" and self.when != phase:
             return False
-        return live > self.resolve(seq_len) + self.slack
+        return live > (self.resolve(seq_len) if budget is None else budget) + self.slack

@@ -169,6 +169,14 @@ class TritonPolicy:
             args += [t, t.stride(0), t.stride(1), t.stride(2)]
         return args, has_pinned
 
+    def _launch_inputs(self, batch: StatsBatch) -> tuple[list[Any], bool, Tensor, Tensor]:
+        """Kernel arguments shared by every launch: ``(args, has_pinned, lengths [B], seq_lens [B])``."""
+        args, has_pinned = self._args(batch)
+        dev = batch.device
+        lengths = batch.lengths.to(device=dev, dtype=torch.int64).contiguous()
+        seq = batch.seq_lens.to(device=dev, dtype=torch.int64).contiguous()
+        return args, has_pinned, lengths, seq
+
     # ------------------------------------------------------------------ outputs
     def keep_mask(self, batch: StatsBatch) -> Tensor:
         """``[B, L, H, N]`` bool keep mask under the selection contract (vtoken_sdk.selection)."""
@@ -177,9 +185,7 @@ class TritonPolicy:
         out = torch.zeros((b, l_, h, n), dtype=torch.bool, device=dev)
         if b == 0 or n == 0 or l_ * h == 0:
             return out
-        args, has_pinned = self._args(batch)
-        lengths = batch.lengths.to(device=dev, dtype=torch.int64).contiguous()
-        seq = batch.seq_lens.to(device=dev, dtype=torch.int64).contiguous()
+        args, has_pinned, lengths, seq = self._launch_inputs(batch)
         budget = self.budgets(batch).to(device=dev, dtype=torch.int64).clamp(min=0, max=2**31 - 1).contiguous()
         r_out = 1 if self.generated.granularity == "request" else l_ * h
         npins = torch.empty((b, r_out), dtype=torch.int32, device=dev)
@@ -201,9 +207,7 @@ class TritonPolicy:
         out = torch.zeros((b, l_, h, n), dtype=torch.float32, device=dev)
         if b == 0 or n == 0 or l_ * h == 0:
             return out
-        args, has_pinned = self._args(batch)
-        lengths = batch.lengths.to(device=dev, dtype=torch.int64).contiguous()
-        seq = batch.seq_lens.to(device=dev, dtype=torch.int64).contiguous()
+        args, has_pinned, lengths, seq = self._launch_inputs(batch)
         block = min(1024, max(MIN_BLOCK, _next_pow2(n)))
         grid = (b, l_ * h, (n + block - 1) // block)
         self.module.scores_kernel[grid](out, l_ * h * n, lengths, seq, *args, BLOCK=block, HAS_PINNED=has_pinned,

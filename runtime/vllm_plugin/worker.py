@@ -387,10 +387,8 @@ class VTokenRunnerMixin:
             if seq < plen:
                 continue  # mid-prompt chunk: evict once the prompt is complete
             phase = "prefill" if seq - self._vt_n_sched.get(rid, 0) < plen else "decode"
-            if b.when != "both" and b.when != phase:
-                continue
             budget = self._vt_options(rid).budget(seq, b.resolve(seq))
-            if st.num_live > budget + b.slack:
+            if b.should_evict(st.num_live, seq, phase, budget):
                 cands.append((rid, budget))
         if not cands:
             return report
