@@ -27,10 +27,11 @@ def blocks(d: dict) -> str:
 def evaluation(d: dict) -> str:
     out = [f"model: {d['model']}; perplexity of {d['continuation']} tokens after a {d['context']}-token context "
            f"({d['ppl_requests']} windows); passkey cases: {len(d['passkey_cases']) // 2} per mode; {d['seconds']} s\n",
-           "| policy | evict | perplexity | passkey, question in prompt | passkey, question after eviction |",
-           "|---|---|---|---|---|"]
+           "| policy | evict | perplexity, evict once | perplexity, evict every step | passkey, question in prompt "
+           "| passkey, question after eviction |",
+           "|---|---|---|---|---|---|"]
     for r in d["rows"]:
-        out.append(f"| {r['policy']} | {r['eviction_ratio']} | {r['perplexity']:.2f} | "
+        out.append(f"| {r['policy']} | {r['eviction_ratio']} | {r['perplexity_once']:.2f} | {r['perplexity_decode']:.2f} | "
                    f"{100 * r['passkey_in_prompt']:.0f}% | {100 * r['passkey_after_eviction']:.0f}% |")
     return "\n".join(out)
 

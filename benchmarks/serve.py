@@ -90,7 +90,7 @@ def make_trace(model_dir: str, cfg: ServeConfig) -> list[tuple[list[int], int]]:
     """``[(prompt ids, max_tokens)]``: consecutive essay windows, output lengths cycling."""
     from transformers import AutoTokenizer
 
-    from vtoken_runtime.essays import essay_token_requests
+    from vtoken_bench.essays import essay_token_requests
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     reqs = essay_token_requests(tok, [cfg.prompt_len], cfg.num_requests, offset=cfg.seed * 7919)
@@ -202,7 +202,7 @@ def sla_throughput(llm: Any, trace: list[tuple[list[int], int]], rates: tuple[fl
 def run_serve_benchmark(cfg: ServeConfig, log: Any = print) -> dict[str, Any]:
     """Everything the CLI prints; the JSON schema of the issue plus details."""
     _set_env()
-    from vtoken_runtime.models import smollm2_path
+    from vtoken_bench.models import smollm2_path
 
     model_dir = cfg.model or str(smollm2_path())
     trace = make_trace(model_dir, cfg)

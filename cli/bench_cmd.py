@@ -15,7 +15,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from .experiments import ALL_POLICIES
+from vtoken_bench import ALL_POLICIES
+
 from .serve_cmd import serve
 
 bench_app = typer.Typer(no_args_is_help=True, help="benchmarks: masks, blocks, serve")
@@ -85,7 +86,7 @@ def blocks(
     """Held KV blocks per request on SmolLM2: no eviction vs Naive-Evict vs vToken vs ideal."""
     from rich.progress import Progress
 
-    from .bench_blocks import plot_blocks, run_blocks, write_json
+    from vtoken_bench.blocks import plot_blocks, run_blocks, write_json
 
     lens = tuple(int(x) for x in lengths.split(",")) if lengths else ((512,) if quick else (1024, 2048, 4096))
     steps = decode if decode is not None else 256
@@ -131,10 +132,9 @@ def kvpress(
     as_json: Annotated[Path | None, typer.Option("--json", help="write the report here")] = None,
 ) -> None:
     """Kept tokens per (layer, KV head) and greedy text: vtoken vs kvpress (needs `make kvpress`)."""
-    from vtoken_runtime.essays import build_passkey
-    from vtoken_runtime.models import load_smollm2, smollm2_path
-
-    from .kvpress_check import PRESSES, compare
+    from vtoken_bench.essays import build_passkey
+    from vtoken_bench.kvpress_check import PRESSES, compare
+    from vtoken_bench.models import load_smollm2, smollm2_path
 
     model, tok = load_smollm2()
     p = build_passkey(tok, length, 0.5, 48213)

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from .experiments import ALL_POLICIES
+from vtoken_bench import ALL_POLICIES
 
 out = Console(width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True)
@@ -30,7 +30,7 @@ def evaluate(
     as_json: Annotated[Path | None, typer.Option("--json", help="write the JSON report here")] = None,
 ) -> None:
     """Quality under eviction: full cache vs each policy at each eviction ratio."""
-    from .eval_quality import plot_eval, run_eval, write_json
+    from vtoken_bench.eval_quality import plot_eval, run_eval, write_json
 
     try:
         pol = tuple(p.strip() for p in policies.split(",") if p.strip())
@@ -48,10 +48,12 @@ def evaluate(
     table = Table(title=f"quality under eviction, {result['model']}: perplexity of {cont} tokens after a "
                         f"{ctx}-token evicted context ({nreq} window(s)); passkey at lengths {list(pls)}, "
                         f"depths {list(dps)}")
-    for c in ("policy", "evict", "perplexity", "passkey (question in prompt)", "passkey (question after eviction)"):
+    for c in ("policy", "evict", "ppl (evict once)", "ppl (evict every step)", "passkey (question in prompt)",
+              "passkey (question after eviction)"):
         table.add_column(c, justify="right")
     for r in result["rows"]:
-        table.add_row(r["policy"], f"{r['eviction_ratio']:.1f}", f"{r['perplexity']:.2f}",
+        table.add_row(r["policy"], f"{r['eviction_ratio']:.1f}", f"{r['perplexity_once']:.2f}",
+                      f"{r['perplexity_decode']:.2f}",
                       f"{100 * r['passkey_in_prompt']:.0f}%", f"{100 * r['passkey_after_eviction']:.0f}%")
     out.print(table)
     out.print(f"{result['seconds']} s")

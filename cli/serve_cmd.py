@@ -6,7 +6,6 @@ inside the command. The measurement code lives in ``benchmarks/serve.py``.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -21,13 +20,8 @@ err = Console(stderr=True)
 
 
 def _bench_module() -> Any:
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "serve.py"
-    spec = importlib.util.spec_from_file_location("vtoken_benchmarks_serve", path)
-    if spec is None or spec.loader is None:  # pragma: no cover
-        raise RuntimeError(f"cannot load {path}")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
+    from vtoken_bench import serve as mod
+
     return mod
 
 

@@ -138,6 +138,17 @@ def _run_cpu_kernel(view: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, nt
     _cpu_kernels().run(view.view(torch.uint8).numpy(), s, d, nt_min_bytes)  # [N, W*el] bytes, shared
 
 
+def kv_views(t: torch.Tensor | tuple[torch.Tensor, torch.Tensor], kv_layout: str, head_size: int
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[NB, bs, H_kv, D]`` (K, V) views of one layer's cache in ``kv_layout`` (strided for vllm_cpu:
+    K = ``[..., :D]``, V = ``[..., D:]`` of ``[NB, H_kv, bs, 2D]``)."""
+    if kv_layout == "vllm_cpu":
+        if isinstance(t, tuple):
+            raise ValueError("a vllm_cpu layer cache is one [NB, H_kv, bs, 2D] tensor, not a (K, V) pair")
+        return t[..., :head_size].permute(0, 2, 1, 3), t[..., head_size:].permute(0, 2, 1, 3)
+    return t if isinstance(t, tuple) else (t[0], t[1])
+
+
 def _flat(t: torch.Tensor, rows: int, width: int, what: str) -> torch.Tensor:
     if not t.is_contiguous():
         raise ValueError(f"{what} must be contiguous to be moved in place (shape {tuple(t.shape)})")
@@ -159,6 +170,7 @@ class CopyEngine:
         per_head: bool,
         async_copy: bool = True,
         chunk_bytes: int = 2 << 20,
+        cpu_path: str | None = None,
     ) -> None:
         if kv_layout not in KV_LAYOUTS:
             raise ValueError(f"unknown kv_layout {kv_layout!r}; expected one of {KV_LAYOUTS}")
@@ -183,9 +195,9 @@ class CopyEngine:
         self._lock = threading.Lock()
         # CPU jobs: "auto" = single-pass numba kernel when numba imports (else torch), "numba" (required),
         # "torch" = the gather/scatter reference path. CUDA jobs always take the torch side-stream path.
-        self.cpu_path: str = os.environ.get("VTOKEN_CPU_COPY", "auto")
+        self.cpu_path: str = cpu_path or os.environ.get("VTOKEN_CPU_COPY", "auto")
         if self.cpu_path not in CPU_PATHS:
-            raise ValueError(f"VTOKEN_CPU_COPY={self.cpu_path!r}; expected one of {CPU_PATHS}")
+            raise ValueError(f"copy path {self.cpu_path!r} (cpu_path / VTOKEN_CPU_COPY); expected one of {CPU_PATHS}")
         # Kernel jobs moving at least this many bytes use streaming (non-temporal) stores: ~1.5x the
         # bandwidth for plans much larger than the caches, but the moved rows end up out of cache.
         self.nt_min_bytes = 4 << 20

@@ -1,7 +1,8 @@
 """HF transformers adapter: run a causal LM over a :class:`VTokenCache` with vtoken policies.
 
-No forked model code: the model runs with ``attn_implementation="vtoken_paged"``, a
-function registered with transformers' ``AttentionInterface`` (and a no-op mask in
+No forked model code: during the session's forwards (and only then: the model's own setting is
+restored after each call) the model runs with ``attn_implementation="vtoken_paged"``, a function
+registered with transformers' ``AttentionInterface`` (and a no-op mask in
 ``AttentionMaskInterface``). The model is called with ``use_cache=False`` and true
 ``position_ids`` (RoPE); every attention layer then
 
@@ -9,8 +10,9 @@ function registered with transformers' ``AttentionInterface`` (and a no-op mask 
     2. runs paged attention over the request's live tokens (causal by true position),
     3. folds the attention probabilities into the statistics the policies declared.
 
-After each forward the adapter asks each request's policy for a keep mask (when its
-budget says so), applies it and reclaims: compaction frees tail blocks immediately.
+After a prefill and after each decode step the eviction driver (``vtoken_runtime.eviction``, shared
+with the vLLM plugin) asks each request's policy for a keep mask when its budget says so, applies it
+and reclaims: compaction frees tail blocks immediately.
 Works for any HF decoder whose attention calls ``attention_interface(self, q, k, v,
 mask, scaling=..., **kwargs)`` after RoPE (Llama, Qwen2, Mistral, ...).
 """
@@ -19,15 +21,17 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Hashable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from .cache import AttentionMetadata, VTokenCache
-from .stats_collector import needs_probs, update_attention_stats, write_norms
+from .eviction import EvictionDriver, TrackedRequest
+from .stats import StatsCollector, needs_probs
 
 log = logging.getLogger("vtoken.hf")
 ATTN_NAME = "vtoken_paged"
@@ -47,6 +51,19 @@ def register() -> None:
     _REGISTERED = True
 
 
+@contextmanager
+def _vtoken_attention(model: Any) -> Iterator[None]:
+    """Route ``model``'s attention to ``vtoken_paged`` for one call and restore it afterwards, so the
+    model stays usable outside the session (a plain forward keeps its own attention)."""
+    cfg = model.config
+    old = getattr(cfg, "_attn_implementation", None)
+    cfg._attn_implementation = ATTN_NAME
+    try:
+        yield
+    finally:
+        cfg._attn_implementation = old
+
+
 @dataclass
 class StepContext:
     """What one forward needs in every layer (passed as the ``vtoken_step`` kwarg)."""
@@ -55,6 +72,7 @@ class StepContext:
     md: AttentionMetadata
     valid: torch.Tensor  # [B, Q] bool
     query_pos: torch.Tensor  # [B, Q] int64, -1 = padding
+    prompt_lens: torch.Tensor  # [B] int64 (attn_window: the prompt's last obs_window queries)
     slots: torch.Tensor  # [T] physical slots of the valid new tokens (row-major over [B, Q])
 
 
@@ -70,23 +88,12 @@ def vtoken_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
     k = key.transpose(1, 2)[ctx.valid]  # [T, H_kv, D]
     v = value.transpose(1, 2)[ctx.valid]
     s.cache.write_kv_slots(layer, ctx.slots, k, v)
-    write_norms(s.cache, layer, ctx.slots, k, v)
+    s.collector.write_norms(layer, ctx.slots, k, v)
     q = query.transpose(1, 2)  # [B, Q, H_q, D]
     out, probs = s.cache.attention(layer, q, ctx.md, ctx.query_pos, return_probs=s.collect_probs, scale=scaling)
     if probs is not None:
-        cfg = s.stats_config
-        update_attention_stats(s.cache, layer, ctx.md, probs, ctx.query_pos, s.group_size, cfg.obs_window,
-                               cfg.history_window, cfg.low_attn_threshold)
+        s.collector.fold_probs(layer, ctx.md, probs, ctx.query_pos, ctx.prompt_lens)
     return out, None
-
-
-@dataclass
-class RequestInfo:
-    policy: Any | None  # vtoken_sdk.Policy or None (no eviction)
-    budget: int | None = None  # per-request budget override (tokens)
-    pins: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    failures: list[str] = field(default_factory=list)
-    keep_log: list[tuple[int, np.ndarray]] = field(default_factory=list)  # (logical_len, kept positions [R, n])
 
 
 class HFSession:
@@ -95,18 +102,21 @@ class HFSession:
     ``granularity="head"`` caches accept request-granularity policies too (their rows agree).
     ``shadow_block_sizes``: extra bookkeeping-only caches (head_size 1) that receive the same
     decisions, so held-block figures for other block sizes come from the real planner.
+    ``policies``: the policies the session will run (their statistics and collector parameters are
+    claimed up front, which a shared prefill needs: statistics are collected before requests fork).
+    Eviction is :class:`~vtoken_runtime.eviction.EvictionDriver`'s; ``requests[r]`` is its record
+    (``failures``, ``keep_log``).
     """
 
     def __init__(self, model: Any, *, block_size: int = 16, num_blocks: int = 4096, mode: str = "compact",
                  granularity: str = "head", stat_names: Sequence[str] = (), max_requests: int = 64,
                  chunk_size: int = 512, stats_config: Any = None, shadow_block_sizes: Sequence[int] = (),
-                 record_keeps: bool = False, async_copy: bool = True, debug: bool | None = None) -> None:
+                 record_keeps: bool = False, async_copy: bool = True, debug: bool | None = None,
+                 policies: Sequence[Any] = ()) -> None:
         register()
         from vtoken_sdk.stats import StatsConfig
 
         cfg = model.config
-        if getattr(cfg, "_attn_implementation", None) != ATTN_NAME:
-            cfg._attn_implementation = ATTN_NAME
         self.model = model
         self.num_layers = cfg.num_hidden_layers
         self.num_kv_heads = cfg.num_key_value_heads
@@ -117,9 +127,11 @@ class HFSession:
         self.chunk_size = chunk_size
         self.stats_config = stats_config or StatsConfig()
         self._claimed: dict[str, Any] = {} if stats_config is None else dict(stats_config)
-        self.stat_names = tuple(sorted(set(stat_names)))
+        self._started = False  # a forward ran: the collector's parameters are fixed
+        self.stat_names = tuple(sorted(set(stat_names).union(*(p.stored_reads for p in policies))))
+        for p in policies:
+            self._adopt_stats_config(p)
         self.collect_probs = needs_probs(self.stat_names)
-        self.record_keeps = record_keeps
         self.cache = VTokenCache(self.num_layers, self.num_kv_heads, self.head_dim, block_size, num_blocks,
                                  granularity=granularity, mode=mode, dtype=self.dtype, stat_names=self.stat_names,
                                  max_requests=max_requests, async_copy=async_copy, debug=debug)
@@ -127,27 +139,48 @@ class HFSession:
                                         cdiv(num_blocks * block_size, bs) + max_requests, granularity=granularity,
                                         mode=mode, max_requests=max_requests, async_copy=False)
                         for bs in shadow_block_sizes}
-        self.requests: dict[Hashable, RequestInfo] = {}
+        self.driver = EvictionDriver(self.cache, list(self.shadows.values()), record_keeps=record_keeps)
+        self.requests: dict[Hashable, TrackedRequest] = self.driver.requests
+        self.prompt_lens: dict[Hashable, int] = {}
+
+    @property
+    def collector(self) -> StatsCollector:
+        """The statistics collector (its parameters are frozen by the first forward)."""
+        c = getattr(self, "_collector", None)
+        if c is None or c.cfg != self.stats_config:
+            c = self._collector = StatsCollector(self.cache, self.stat_names, self.stats_config, self.group_size)
+        return c
 
     # ------------------------------------------------------------------ requests
     def add(self, req_id: Hashable, policy: Any | None = None, pinned_positions: Sequence[int] | None = None,
             budget: int | None = None) -> None:
-        if policy is not None:
-            missing = set(policy.stored_reads) - set(self.stat_names)
-            if missing:
-                raise ValueError(f"policy {policy.name!r} reads {sorted(missing)}, which this session does not "
-                                 f"collect (stat_names={list(self.stat_names)})")
-            self._adopt_stats_config(policy)
+        """Add a request with its policy (None: no eviction), pinned true positions and a per-request
+        budget in tokens (overrides the policy's size; its min_tokens / slack / when stay)."""
+        self._check_policy(policy)
         pins = np.asarray(list(pinned_positions or ()), dtype=np.int64)
         for c in (self.cache, *self.shadows.values()):
             if c.add_request(req_id, pins) is None:
                 raise ValueError(f"max_requests reached; cannot add {req_id!r}")
-        self.requests[req_id] = RequestInfo(policy, budget, np.unique(pins))
+        self._track(req_id, policy, budget)
+
+    def _check_policy(self, policy: Any | None) -> None:
+        if policy is None:
+            return
+        missing = set(policy.stored_reads) - set(self.stat_names)
+        if missing:
+            raise ValueError(f"policy {policy.name!r} reads {sorted(missing)}, which this session does not "
+                             f"collect (stat_names={list(self.stat_names)})")
+        self._adopt_stats_config(policy)
+
+    def _track(self, req_id: Hashable, policy: Any | None, budget: int | None) -> None:
+        self.driver.add(req_id, policy, None if policy is None or budget is None else policy.budget.override(budget))
+        self.prompt_lens.setdefault(req_id, 0)
 
     _FIELDS_BY_STAT = {"attn_window": ("obs_window",), "low_attn_count": ("history_window", "low_attn_threshold")}
 
     def _adopt_stats_config(self, policy: Any) -> None:
-        """Collector parameters come from the policies; two policies may not disagree on one."""
+        """Collector parameters come from the policies; two policies may not disagree on one, and once
+        statistics were collected (a forward ran) they cannot change."""
         cfg = policy.spec.stats
         update = {}
         for stat, fields in self._FIELDS_BY_STAT.items():
@@ -155,10 +188,12 @@ class HFSession:
                 continue
             for f in fields:
                 want = getattr(cfg, f)
-                have = self._claimed.get(f)
+                have = self._claimed.get(f, getattr(self.stats_config, f) if self._started else None)
                 if have is not None and have != want:
+                    why = ("for another policy; use separate sessions" if f in self._claimed else
+                           "since its first forward; pass policies=[...] (or stats_config=) to HFSession")
                     raise ValueError(f"policy {policy.name!r} needs {f}={want} but this session collects "
-                                     f"{f}={have} for another policy; use separate sessions")
+                                     f"{f}={have} {why}")
                 self._claimed[f] = want
                 update[f] = want
         if update:
@@ -167,26 +202,19 @@ class HFSession:
     def free(self, req_id: Hashable) -> None:
         for c in (self.cache, *self.shadows.values()):
             c.free(req_id)
-        del self.requests[req_id]
+        self.driver.remove(req_id)
+        self.prompt_lens.pop(req_id, None)
 
     def fork(self, src: Hashable, dst: Hashable, policy: Any | None = None, budget: int | None = None) -> None:
-        """Copy a request that has not evicted anything yet (e.g. one shared prefill, many policies)."""
-        c = self.cache
-        n = c.logical_len(src)
-        if c.live_tokens(src) != n:
-            raise ValueError(f"fork source {src!r} has already evicted tokens")
-        self.add(dst, policy, self.requests[src].pins.tolist(), budget)
-        slots = self._reserve(dst, n)
-        st = c.table.get(src)
-        _, vs = c.table.live_view(st)
-        src_slots = torch.as_tensor(st.phys(vs[0]))
-        for layer in range(self.num_layers):
-            kc, vc = c.key_cache(layer), c.value_cache(layer)
-            b, o = src_slots // c.block_size, src_slots % c.block_size
-            c.write_kv_slots(layer, slots, kc[b, o], vc[b, o])
-        for name in self.stat_names:
-            t = c.stats_tensor(name)
-            t[:, :, slots] = t[:, :, src_slots]
+        """Add ``dst`` as a copy of ``src`` (tokens, evictions, K/V, statistics, pins), with its own policy:
+        one shared prefill for many configurations."""
+        self._check_policy(policy)
+        pins = self.cache.pinned_positions(src)
+        for c in (self.cache, *self.shadows.values()):
+            if c.fork(src, dst, pins) is None:
+                raise MemoryError(f"out of KV blocks or request rows while forking {src!r} -> {dst!r}")
+        self._track(dst, policy, budget)
+        self.prompt_lens[dst] = self.prompt_lens.get(src, 0)
 
     def _reserve(self, req_id: Hashable, n: int) -> torch.Tensor:
         slots = self.cache.reserve(req_id, n)
@@ -199,8 +227,11 @@ class HFSession:
 
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()
-    def forward(self, req_ids: Sequence[Hashable], tokens: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Run new tokens of several requests through the model; returns last-token logits ``[B, V]``."""
+    def forward(self, req_ids: Sequence[Hashable], tokens: Sequence[Sequence[int]], all_logits: bool = False
+                ) -> torch.Tensor:
+        """Run new tokens of several requests through the model (no eviction). Returns the last token's
+        logits ``[B, V]``, or with ``all_logits`` every new token's ``[B, Q, V]`` (padded past a request's
+        own count), e.g. for perplexity over a continuation."""
         B = len(req_ids)
         lens = [len(t) for t in tokens]
         Q = max(lens)
@@ -213,18 +244,22 @@ class HFSession:
             qpos[b, : lens[b]] = torch.arange(start, start + lens[b])
             slots.append(self._reserve(r, lens[b]))
         md = self.cache.attention_metadata(list(req_ids))
-        valid = qpos >= 0
-        ctx = StepContext(self, md, valid, qpos, torch.cat(slots))
-        pos_ids = qpos.clamp(min=0)
-        out = self.model(input_ids=ids, position_ids=pos_ids, use_cache=False, vtoken_step=ctx,
-                         logits_to_keep=0)
+        plen = torch.as_tensor([self.prompt_lens.get(r, 0) for r in req_ids], dtype=torch.int64)
+        ctx = StepContext(self, md, qpos >= 0, qpos, plen, torch.cat(slots))
+        self._started = True
+        with _vtoken_attention(self.model):
+            out = self.model(input_ids=ids, position_ids=qpos.clamp(min=0), use_cache=False, vtoken_step=ctx,
+                             logits_to_keep=0)
         logits = out.logits  # [B, Q, V]
-        last = torch.as_tensor(lens) - 1
-        return logits[torch.arange(B), last].float()
+        if all_logits:
+            return logits.float()
+        return logits[torch.arange(B), torch.as_tensor(lens) - 1].float()
 
     def prefill(self, req_ids: Sequence[Hashable], prompts: Sequence[Sequence[int]], evict: bool = True
                 ) -> torch.Tensor:
         """Chunked prefill of whole prompts (``chunk_size`` tokens per forward), then eviction."""
+        for r, p in zip(req_ids, prompts, strict=True):
+            self.prompt_lens[r] = self.cache.logical_len(r) + len(p)
         chunks = [self._chunks(len(p)) for p in prompts]
         last_logits: list[torch.Tensor | None] = [None] * len(req_ids)
         for step in range(max((len(c) for c in chunks), default=0)):
@@ -238,12 +273,8 @@ class HFSession:
         return torch.stack([x for x in last_logits if x is not None])
 
     def _chunks(self, n: int) -> list[tuple[int, int]]:
-        """``[start, end)`` prefill chunks; the last one holds at least ``obs_window`` tokens so the
-        observation window (SnapKV) sees the prompt's last W queries in one step."""
+        """``[start, end)`` prefill chunks of ``chunk_size`` tokens."""
         bounds = list(range(0, n, self.chunk_size)) + [n]
-        w = min(n, self.stats_config.obs_window)
-        if len(bounds) > 2 and bounds[-1] - bounds[-2] < w:
-            bounds[-2] = n - w
         return [(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
 
     def decode(self, req_ids: Sequence[Hashable], next_tokens: Sequence[int], evict: bool = True) -> torch.Tensor:
@@ -271,104 +302,10 @@ class HFSession:
 
     # ------------------------------------------------------------------ eviction
     def evict(self, req_ids: Sequence[Hashable], phase: str) -> int:
-        """Ask each request's policy for a keep mask where its budget says so; apply and reclaim.
-
-        A policy that raises, or returns a mask the cache refuses (pins, unequal counts), fails
-        only its own requests: they keep their cache this step and the failure is logged.
-        """
-        groups: dict[int, list[Hashable]] = {}
-        for r in req_ids:
-            info = self.requests[r]
-            p = info.policy
-            if p is None:
-                continue
-            if not p.budget.should_evict(self.cache.live_tokens(r), self.cache.logical_len(r), phase, info.budget):
-                continue
-            groups.setdefault(id(p), []).append(r)
-        evicted = 0
-        touched = []
-        for rs in groups.values():
-            policy = self.requests[rs[0]].policy
-            try:
-                masks = self._keep_masks(policy, rs)
-            except Exception as e:  # the policy's bug: these requests keep their cache this step
-                log.warning("policy %s failed for %d request(s): %s", policy.name, len(rs), e)
-                for r in rs:
-                    self.requests[r].failures.append(f"{type(e).__name__}: {e}")
-                continue
-            for r, keep in zip(rs, masks, strict=True):
-                if isinstance(keep, str):
-                    log.warning("%s (request %r keeps its cache)", keep, r)
-                    self.requests[r].failures.append(keep)
-                    continue
-                try:
-                    evicted += self.cache.apply_keep_mask(r, keep)
-                except ValueError as e:
-                    log.warning("keep mask of policy %s refused for %r: %s", policy.name, r, e)
-                    self.requests[r].failures.append(str(e))
-                    continue
-                for c in self.shadows.values():
-                    c.apply_keep_mask(r, keep)
-                if self.record_keeps:
-                    pos, _ = self.cache.live_view(r)
-                    self.requests[r].keep_log.append((self.cache.logical_len(r), pos.copy()))
-                touched.append(r)
-        if touched:
-            self.cache.reclaim(touched)
-            for c in self.shadows.values():
-                c.reclaim(touched)
-        return evicted
-
-    def _keep_masks(self, policy: Any, rs: list[Hashable]) -> list[np.ndarray | str]:
-        from vtoken_sdk.batch import StatsBatch
-
-        c = self.cache
-        L, H = self.num_layers, self.num_kv_heads
-        views = [c.live_view(r) for r in rs]
-        n_max = max(v[0].shape[1] for v in views)
-        B = len(rs)
-        rows = c.num_rows
-        pos = torch.full((B, L, H, n_max), 0, dtype=torch.int64) if rows > 1 else torch.zeros(B, 1, 1, n_max,
-                                                                                             dtype=torch.int64)
-        stats = {name: torch.zeros(B, L, H, n_max) for name in policy.stored_reads}
-        lengths = torch.zeros(B, dtype=torch.int64)
-        seq = torch.zeros(B, dtype=torch.int64)
-        budget = torch.zeros(B, dtype=torch.int64)
-        pinned = torch.zeros(pos.shape, dtype=torch.bool)
-        for b, (r, (p, _)) in enumerate(zip(rs, views, strict=True)):
-            n = p.shape[1]
-            pt = torch.as_tensor(p)
-            pos[b, ..., :n] = pt.view(L, H, n) if rows > 1 else pt.view(1, 1, n)
-            pos[b, ..., n:] = c.logical_len(r) + torch.arange(n_max - n)
-            lengths[b] = n
-            seq[b] = c.logical_len(r)
-            info = self.requests[r]
-            budget[b] = info.budget if info.budget is not None else policy.budget.resolve(int(seq[b]))
-            if info.pins.size:
-                pinned[b] = torch.as_tensor(np.isin(pos[b].numpy(), info.pins))
-            if policy.stored_reads:
-                g = c.gather_stats(r, sorted(policy.stored_reads))
-                for name, t in g.items():
-                    stats[name][b, ..., :n] = t
-        batch = StatsBatch(stats=stats, lengths=lengths, positions=pos, seq_lens=seq, pinned=pinned, budget=budget)
-        compiled = policy.compile("torch")
-        mask = compiled.keep_mask(batch)  # [B, L, H, N]
-        bad: list[str | None] = [None] * B
-        if policy.kind == "mask" or self.cache.debug:  # score policies hold the contract by construction
-            bad = compiled.contract_violations(batch, mask)
-        out: list[np.ndarray | str] = []
-        for b, (p, _) in enumerate(views):
-            if bad[b] is not None:
-                out.append(f"policy {policy.name!r} broke the selection contract: {bad[b]}")
-                continue
-            n = p.shape[1]
-            m = mask[b, ..., :n].reshape(L * H, n)
-            if rows == 1:
-                if not (m == m[:1]).all():
-                    raise ValueError(f"policy {policy.name!r} gave per-head masks to a request-granularity cache")
-                m = m[:1]
-            out.append(m.numpy())
-        return out
+        """One eviction step of the driver (see :mod:`vtoken_runtime.eviction`); returns row-tokens evicted.
+        A policy that raises, or returns a mask the contract or the cache refuses, fails only its own
+        request, which falls back to no eviction (``requests[r].failures``)."""
+        return sum(self.driver.step(req_ids, phase).evicted.values())
 
     # ------------------------------------------------------------------ reporting
     def blocks(self, req_id: Hashable) -> dict[int, dict[str, int]]:

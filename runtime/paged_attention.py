@@ -21,6 +21,8 @@ import math
 
 import torch
 
+from .token_table import slot_index
+
 
 def _gather_heads_first(cache: torch.Tensor, blk: torch.Tensor, off: torch.Tensor) -> torch.Tensor:
     """Rows ``cache[blk, off]`` of a ``[NB, bs, H, D]`` cache as ``[B, H, L, D]`` float32 (contiguous).
@@ -68,11 +70,8 @@ def paged_attention(
     L = int(lens.max().item()) if B else 0
     L = max(L, 1)
     j = torch.arange(L, device=dev)
-    in_range = j[None, :] < lens[:, None]  # [B, L]
-    bt = block_tables.to(dev, torch.int64)
-    blk = bt[:, (j // bs).clamp(max=bt.shape[1] - 1)]  # [B, L]
-    blk = torch.where(in_range, blk, torch.zeros_like(blk))
-    off = (j % bs)[None, :].expand(B, L)
+    slots, in_range = slot_index(block_tables.to(dev), lens, L, bs)  # [B, L]
+    blk, off = slots // bs, slots % bs
     k = _gather_heads_first(key_cache, blk, off)  # [B, Hkv, L, D] float32, contiguous
     v = _gather_heads_first(value_cache, blk, off)
     qf = query.to(torch.float32).view(B, Q, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * Q, D)
@@ -81,7 +80,6 @@ def paged_attention(
     qpos = query_pos.to(dev, torch.int64)  # [B, Q]
     valid = in_range[:, None, None, None, :] & (qpos >= 0)[:, None, None, :, None]  # [B, 1, 1, Q, L]
     if key_positions is not None:
-        slots = blk * bs + off  # [B, L]
         kp = key_positions.to(dev)[:, slots]  # [R_l, B, L]
         kp = kp.permute(1, 0, 2)[:, :, None, None, :]  # [B, R_l, 1, 1, L]
         valid = valid & (kp >= 0) & (kp <= qpos[:, None, None, :, None])

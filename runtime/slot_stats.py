@@ -22,6 +22,11 @@ from collections.abc import Sequence
 import torch
 
 
+def flat_index(num_kv_heads: int, num_slots: int, slots: torch.Tensor) -> torch.Tensor:
+    """``[H_kv * M]`` indices into a flattened ``[H_kv, S]`` layer store (head-major) for physical ``slots [M]``."""
+    return (torch.arange(num_kv_heads, device=slots.device)[:, None] * num_slots + slots[None, :]).reshape(-1)
+
+
 class SlotStore:
     """Owns the stats tensors and the positions tensor; knows nothing about requests."""
 
@@ -55,6 +60,31 @@ class SlotStore:
             return self.stats[name]
         except KeyError:
             raise ValueError(f"unknown stat {name!r}; declared stats are {list(self.stat_names)}") from None
+
+    def scatter(self, name: str, layer: int, slots: torch.Tensor, values: torch.Tensor, reduce: str = "sum") -> None:
+        """Fold ``values [H_kv, M]`` into stat ``name`` of ``layer`` at physical ``slots [M]``: add (``"sum"``),
+        overwrite (``"set"``) or multiply (``"scale"``). Slots must be distinct for ``"set"``/``"scale"``."""
+        t = self.tensor(name)[layer].view(-1)
+        flat = flat_index(self.num_kv_heads, self.num_slots, slots)
+        vals = values.reshape(-1).to(torch.float32)
+        if reduce == "sum":
+            t.index_add_(0, flat, vals)
+        elif reduce == "set":
+            t.index_copy_(0, flat, vals)
+        elif reduce == "scale":
+            t.index_copy_(0, flat, t[flat] * vals)
+        else:
+            raise ValueError(f"reduce must be 'sum', 'set' or 'scale', got {reduce!r}")
+
+    def gather(self, names: Sequence[str], slots: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Stats at physical ``slots [R, n]`` (R = 1: every head reads the same slot; R = L * H_kv: row
+        ``l * H_kv + h`` its own) -> name -> ``[L, H_kv, n]``."""
+        L, H = self.num_layers, self.num_kv_heads
+        out = {}
+        for name in names:
+            t = self.tensor(name)
+            out[name] = t[:, :, slots[0]] if slots.shape[0] == 1 else torch.gather(t, 2, slots.view(L, H, -1))
+        return out
 
     def layer_positions(self, layer: int) -> torch.Tensor:
         """Positions rows of ``layer``: ``[H_kv, S]`` at head granularity, ``[1, S]`` (broadcast) otherwise."""

@@ -29,8 +29,9 @@ Each request owns one mirror row for its lifetime (``RequestState.row``).
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -42,6 +43,23 @@ ReqId = Hashable
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def slot_index(block_tables: torch.Tensor, cache_lens: torch.Tensor, width: int, block_size: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """THE virtual -> physical slot map of a batch (every kernel reference and collector uses this one).
+
+    ``block_tables [B, max_blocks]``, ``cache_lens [B]`` -> ``(slots [B, width] int64, in_range [B, width]
+    bool)`` with ``slots[b, j] = block_tables[b, j // bs] * bs + j % bs`` for ``j < cache_lens[b]`` and 0
+    (a valid index, masked by ``in_range``) past it."""
+    dev = block_tables.device
+    j = torch.arange(width, device=dev)
+    in_range = j[None, :] < cache_lens.to(dev, torch.int64)[:, None]
+    bt = block_tables.to(torch.int64)
+    blk = bt[:, (j // block_size).clamp(max=max(bt.shape[1] - 1, 0))] if bt.shape[1] else \
+        torch.zeros(bt.shape[0], width, dtype=torch.int64, device=dev)
+    slots = blk.clamp(min=0) * block_size + j % block_size
+    return torch.where(in_range, slots, torch.zeros_like(slots)), in_range
 
 
 @dataclass
@@ -179,6 +197,157 @@ class TokenTable:
         self.cache_lens[st.row] = st.used
         self.logical_lens[st.row] = st.logical_len
 
+    # ---------------------------------------------------------------- mutations (the only writers)
+    def blocks_needed(self, req_id: ReqId, num_new_tokens: int) -> int:
+        """Blocks ``reserve(req_id, num_new_tokens, ...)`` must be given (ValueError past the row's capacity)."""
+        st = self.get(req_id)
+        n = int(num_new_tokens)
+        if n < 0:
+            raise ValueError(f"request {req_id!r}: cannot reserve a negative number of tokens ({n})")
+        need = max(cdiv(st.used + n, self.block_size) - len(st.blocks), 0)
+        if len(st.blocks) + need > self.max_blocks_per_request:
+            raise ValueError(f"request {req_id!r}: {st.used + n} slots exceed max_blocks_per_request="
+                             f"{self.max_blocks_per_request} x block_size={self.block_size}")
+        return need
+
+    def reserve(self, req_id: ReqId, num_new_tokens: int, new_blocks: list[int]
+                ) -> tuple[np.ndarray, np.ndarray]:
+        """Append ``num_new_tokens`` live tokens (true positions ``logical_len, ...``) in the next virtual
+        slots of every row, taking ``new_blocks`` (exactly :meth:`blocks_needed` of them).
+        Returns ``(physical slots [T], true positions [T])``."""
+        st = self.get(req_id)
+        n = int(num_new_tokens)
+        if len(new_blocks) != self.blocks_needed(req_id, n):
+            raise ValueError(f"request {req_id!r}: reserve of {n} tokens needs "
+                             f"{self.blocks_needed(req_id, n)} new blocks, got {len(new_blocks)}")
+        if new_blocks:
+            st.blocks.extend(int(b) for b in new_blocks)
+            st.grow(st.capacity)
+        v = np.arange(st.used, st.used + n, dtype=np.int64)
+        p = np.arange(st.logical_len, st.logical_len + n, dtype=np.int64)
+        st.pos[:, v] = p
+        st.live[:, v] = True
+        st.naive_append(st.logical_len, n)
+        st.used += n
+        st.logical_len += n
+        st.num_live += n
+        st.pending = v
+        self.sync_mirror(st)
+        return st.phys(v), p
+
+    def pending_slots(self, req_id: ReqId, offset: int, count: int) -> np.ndarray:
+        """Physical slots of tokens ``offset .. offset+count-1`` of the last :meth:`reserve`."""
+        st = self.get(req_id)
+        if offset < 0 or offset + count > st.pending.size:
+            raise ValueError(
+                f"request {req_id!r}: writing tokens [{offset}, {offset + count}) past the {st.pending.size} slots "
+                "reserved by its last reserve() (apply_keep_mask/reclaim invalidate pending reservations)")
+        return st.phys(st.pending[offset:offset + count])
+
+    def set_pins(self, req_id: ReqId, pins: np.ndarray) -> None:
+        """Replace the pinned positions (sorted unique); every present pin must still be live in every row."""
+        st = self.get(req_id)
+        present = pins[pins < st.logical_len]
+        for r in range(self.num_rows):
+            gone = present[~np.isin(present, st.pos[r][st.live[r]])]
+            if gone.size:
+                raise ValueError(f"request {req_id!r}: cannot pin already evicted positions {gone[:8].tolist()}")
+        st.pinned = pins
+
+    def mark_dead(self, req_id: ReqId, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Evict where ``keep [R, n_live]`` (order of :meth:`live_view`) is False. Misuse (dtype, shape,
+        unequal counts per row, an evicted pin) raises ValueError and changes nothing. Returns the
+        evicted ``(rows [M], physical slots [M])``; their slots stay allocated until :meth:`commit`."""
+        st = self.get(req_id)
+        km = np.asarray(keep)
+        if km.dtype != np.bool_:
+            raise ValueError(f"request {req_id!r}: keep mask must be bool, got {km.dtype}")
+        if km.ndim == 1 and self.num_rows == 1:
+            km = km[None, :]
+        if km.shape != (self.num_rows, st.num_live):
+            raise ValueError(f"request {req_id!r}: keep mask shape {km.shape} != (R, n_live) = "
+                             f"{(self.num_rows, st.num_live)}")
+        kept = km.sum(axis=1)
+        if kept.size and not (kept == kept[0]).all():
+            raise ValueError(f"request {req_id!r}: every row must keep the same number of tokens, got "
+                             f"{sorted(set(kept.tolist()))} (one block table per request, decision 4)")
+        pos, vs = self.live_view(st)
+        r, c = np.nonzero(~km)
+        if r.size == 0:
+            return r.astype(np.int64), r.astype(np.int64)
+        if st.pinned.size:
+            bad = np.isin(pos[r, c], st.pinned)
+            if bad.any():
+                raise ValueError(f"request {req_id!r}: keep mask evicts pinned position(s) "
+                                 f"{np.unique(pos[r, c][bad])[:8].tolist()}")
+        dead = vs[r, c]
+        st.live[r, dead] = False
+        st.num_live = int(kept[0])
+        st.evicted_since_reclaim += int(r.size)
+        st.holes = True
+        st.pending = np.zeros(0, np.int64)
+        return r.astype(np.int64), st.phys(dead)
+
+    def commit(self, st: RequestState, plan: Any, mode: str, debug: bool = False) -> list[int]:
+        """Apply a reclamation plan (``planner.RequestPlan``) to ``st`` (post-plan view) and return the
+        blocks it frees (block-list order). The copies that make the tensors agree are the caller's."""
+        bs = self.block_size
+        before = np.sort(np.where(st.live, st.pos, -1), axis=1) if debug else None
+        old_blocks = len(st.blocks)
+        if mode == "naive":
+            keep = plan.keep_blocks
+            kept_ids = np.nonzero(keep)[0]
+            drop_ids = np.nonzero(~keep)[0]
+            used_in = np.minimum(bs, st.used - drop_ids * bs)
+            cols = (kept_ids[:, None] * bs + np.arange(bs)).reshape(-1)
+            cap = st.pos.shape[1]
+            st.pos = np.concatenate([st.pos[:, cols], np.full((self.num_rows, cap - cols.size), -1, np.int64)], 1)
+            st.live = np.concatenate([st.live[:, cols], np.zeros((self.num_rows, cap - cols.size), bool)], 1)
+            freed = [st.blocks[i] for i in drop_ids]
+            st.blocks = [st.blocks[i] for i in kept_ids]
+            st.used -= int(used_in.sum())
+            st.holes = bool((~st.live[:, : st.used]).any())
+        else:
+            n = st.num_live
+            st.pos[plan.rows, plan.dst] = st.pos[plan.rows, plan.src]  # RHS gathered first: overlap-safe
+            st.live[:, :n] = True
+            st.live[:, n:] = False
+            st.pos[:, n:] = -1
+            k = cdiv(n, bs)
+            freed = st.blocks[k:]
+            st.blocks = st.blocks[:k]
+            st.used = n
+            st.holes = False
+        st.tokens_moved += plan.num_moves
+        st.evicted_since_reclaim = 0
+        st.pending = np.zeros(0, np.int64)
+        st.naive_drop_dead()
+        self.sync_mirror(st)
+        if before is not None:
+            after = np.sort(np.where(st.live, st.pos, -1), axis=1)
+            b, a = before[:, before.shape[1] - st.num_live:], after[:, after.shape[1] - st.num_live:]
+            check(bool((a == b).all()), "I1", f"request {st.req_id!r}: live positions changed by a plan")
+            check(len(st.blocks) <= old_blocks, "I4", f"request {st.req_id!r}: a plan grew the block list")
+        return list(freed)
+
+    def fork(self, src: ReqId, dst: ReqId, new_blocks: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Make ``dst`` (added, empty) a copy of ``src``'s layout, evictions included, in ``new_blocks``
+        (``len(src.blocks)`` of them). Returns ``(src slots [M], dst slots [M])``: the used physical slots
+        whose K/V, stats and positions the caller copies (every row)."""
+        s, d = self.get(src), self.get(dst)
+        if d.used or d.logical_len:
+            raise ValueError(f"fork target {dst!r} must be empty")
+        if len(new_blocks) != len(s.blocks):
+            raise ValueError(f"fork of {src!r} needs {len(s.blocks)} blocks, got {len(new_blocks)}")
+        d.blocks = [int(b) for b in new_blocks]
+        d.pos, d.live = s.pos.copy(), s.live.copy()
+        d.used, d.logical_len, d.num_live, d.holes = s.used, s.logical_len, s.num_live, s.holes
+        d.evicted_since_reclaim = s.evicted_since_reclaim
+        d.naive_starts, d.naive_counts = list(s.naive_starts), list(s.naive_counts)
+        self.sync_mirror(d)
+        v = np.arange(s.used, dtype=np.int64)
+        return s.phys(v), d.phys(v)
+
     # ---------------------------------------------------------------- logical view
     @staticmethod
     def live_view(st: RequestState) -> tuple[np.ndarray, np.ndarray]:
@@ -189,8 +358,10 @@ class TokenTable:
         return np.take_along_axis(key, order, axis=1), order.astype(np.int64)
 
     # ---------------------------------------------------------------- invariants
-    def check_request(self, st: RequestState) -> None:
-        """Per-request invariants (I2, PINS, shape/length consistency). O(R * cap)."""
+    def check_request(self, st: RequestState, mode: str | None = None) -> None:
+        """Per-request invariants (I2, PINS, shape/length consistency, the device mirror, and with
+        ``mode`` its block rule: naive holds the naive rule's blocks, compact/ordered ``ceil(live/bs)``
+        once reclaimed). O(R * cap)."""
         bs = self.block_size
         check(st.pos.shape == st.live.shape and st.pos.shape[0] == self.num_rows
               and st.pos.shape[1] >= st.capacity, "I2",
@@ -215,3 +386,44 @@ class TokenTable:
                     ok = np.isin(present, st.pos[r][st.live[r]])
                     check(bool(ok.all()), "PINS",
                           f"request {st.req_id!r} row {r}: pinned positions {present[~ok].tolist()} evicted")
+        if mode == "naive":
+            check(len(st.blocks) == len(st.naive_starts), "I4",
+                  f"request {st.req_id!r}: naive mode holds {len(st.blocks)} blocks, naive rule says "
+                  f"{len(st.naive_starts)}")
+        elif mode is not None and not st.holes:
+            check(st.used == st.num_live and len(st.blocks) == cdiv(st.num_live, bs), "I4",
+                  f"request {st.req_id!r}: {len(st.blocks)} blocks / cache length {st.used} for "
+                  f"{st.num_live} live tokens without holes")
+        nb = len(st.blocks)
+        mirror = self.block_tables[st.row, :nb].cpu().numpy()
+        check(bool((mirror == np.asarray(st.blocks, dtype=np.int32)).all())
+              and int(self.cache_lens[st.row]) == st.used, "I3",
+              f"request {st.req_id!r}: device mirror disagrees with the token table")
+
+
+@dataclass
+class AttentionMetadata:
+    """Views of persistent buffers (static ``data_ptr()``), valid until the next metadata call.
+
+    block_tables [B, max_blocks_per_request] int32 (-1 past held blocks), cache_lens [B] int32,
+    logical_lens [B] int32 (true sequence lengths: positions, RoPE), rows [B] int64 (mirror rows).
+    ``needs_mask``: dead slots lie inside some cache length (naive mode): the kernel must mask slots
+    whose true position is < 0 (``VTokenCache.key_positions(layer)``).
+    """
+
+    req_ids: list[ReqId]
+    rows: torch.Tensor
+    block_tables: torch.Tensor
+    cache_lens: torch.Tensor
+    logical_lens: torch.Tensor
+    needs_mask: bool
+    scatter_cache: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+
+def normalize_pins(pinned_positions: Iterable[int] | np.ndarray | None) -> np.ndarray:
+    """Sorted unique int64 true positions (ValueError for a negative one)."""
+    pins = np.unique(np.asarray([] if pinned_positions is None else list(np.asarray(pinned_positions).ravel()),
+                                dtype=np.int64))
+    if pins.size and pins[0] < 0:
+        raise ValueError(f"pinned positions must be >= 0, got {pins[:4].tolist()}")
+    return pins

@@ -7,7 +7,8 @@
         return s.attn_sum
 """
 
-from .batch import StatsBatch
+from .backend import CompiledPolicy, compile_policy
+from .batch import MaskContext, StatsBatch
 from .budget import Budget
 from .errors import PolicyDefinitionError, PolicyRuntimeError, VTokenError
 from .ir import (
@@ -26,13 +27,13 @@ from .ir import (
     tanh,
     where,
 )
-from .policy import MaskContext, Params, Policy, PolicySpec, mask_policy, policy
+from .policy import Params, Policy, PolicySpec, mask_policy, policy
 from .protect import protect_if, recent, sinks, span
 from .selection import select
 from .stats import CATALOG, StatsConfig, TokenStats
 
 __all__ = [
-    "CATALOG", "Budget", "MaskContext", "Params", "Policy", "PolicyDefinitionError", "PolicyRuntimeError",
+    "CATALOG", "Budget", "CompiledPolicy", "compile_policy", "MaskContext", "Params", "Policy", "PolicyDefinitionError", "PolicyRuntimeError",
     "PolicySpec", "StatsBatch", "StatsConfig", "TokenStats", "VTokenError", "abs", "avg_pool", "clamp", "exp",
     "head_mean", "isnan", "log", "mask_policy", "max_pool", "maximum", "minimum", "policy", "protect_if", "recent",
     "select", "sigmoid", "sinks", "span", "sqrt", "tanh", "where",

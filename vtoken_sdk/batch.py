@@ -67,3 +67,20 @@ class StatsBatch:
         seq = lengths if seq_lens is None else seq_lens
         start = (seq - lengths).clamp(min=0)
         return (start[:, None] + torch.arange(n, device=lengths.device)[None, :])[:, None, None, :]
+
+
+@dataclass(frozen=True)
+class MaskContext:
+    """What a ``@vt.mask_policy`` function receives besides the statistics.
+
+    lengths ``[B]``, seq_lens ``[B]``, positions ``[B, L|1, H|1, N]``,
+    keep_count ``[B]`` (what the contract requires every row to keep),
+    pins ``[B, L, H, N]`` bool (must be kept), shape ``(B, L, H, N)``.
+    """
+
+    lengths: Tensor
+    seq_lens: Tensor
+    positions: Tensor
+    keep_count: Tensor
+    pins: Tensor
+    shape: tuple[int, int, int, int]

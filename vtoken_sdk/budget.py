@@ -49,6 +49,18 @@ class Budget(BaseModel):
             raise ValueError(f"got eviction_ratio={eviction_ratio}, expected 0 <= r < 1; try 0.5")
         return cls(ratio=1.0 - eviction_ratio, **kw)  # type: ignore[arg-type]
 
+    def override(self, tokens: int | None = None, eviction_ratio: float | None = None) -> Budget:
+        """This budget with its size replaced (a per-request override): ``tokens`` or ``eviction_ratio``
+        (at most one), keeping ``min_tokens``, ``slack`` and ``when``. No argument: ``self``."""
+        if tokens is not None and eviction_ratio is not None:
+            raise ValueError("got both tokens and eviction_ratio, expected at most one")
+        keep = {"min_tokens": self.min_tokens, "slack": self.slack, "when": self.when}
+        if tokens is not None:
+            return Budget(tokens=int(tokens), **keep)  # type: ignore[arg-type]
+        if eviction_ratio is not None:
+            return Budget.evict(float(eviction_ratio), **keep)
+        return self
+
     @property
     def eviction_ratio(self) -> float | None:
         return None if self.ratio is None else 1.0 - self.ratio

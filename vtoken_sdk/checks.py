@@ -16,9 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from .batch import StatsBatch
 from .errors import PolicyRuntimeError
 from .policy import Policy
-from .selection import keep_counts
 from .stats import CATALOG
-from .testing import CheckResult, PolicyReport, batch_specs, build_batch
+from .strategies import CheckResult, PolicyReport, batch_specs, build_batch
 
 
 class ContractViolation(AssertionError):
@@ -42,13 +41,34 @@ def _mask(compiled: Any, batch: StatsBatch) -> torch.Tensor:
     return compiled.keep_mask(batch)
 
 
+def _expected_budget(compiled: Any, batch: StatsBatch) -> torch.Tensor:
+    """``[B]`` int64 budget per request, written out from the policy's declaration (the batch's override,
+    else ``tokens`` or ``floor(ratio * seq_len + 0.5)``, at least ``min_tokens``) rather than taken from
+    the backend (``compiled.budgets``) or ``Budget.resolve``, so a wrong resolution is caught too."""
+    if batch.budget is not None:
+        return batch.budget.to(torch.int64).cpu()
+    spec = compiled.policy.spec.budget
+    seq = batch.seq_lens.to(torch.int64).cpu()
+    if spec.tokens is not None:
+        base = torch.full_like(seq, int(spec.tokens))
+    else:  # float64, the same IEEE product as the runtime's Python float arithmetic
+        base = torch.floor(seq.to(torch.float64) * float(spec.ratio) + 0.5).to(torch.int64)
+    return base.clamp(min=int(spec.min_tokens))
+
+
 def _expected(compiled: Any, batch: StatsBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pins ``[B, L, H, N]`` and the kept count per request ``[B]``: every row keeps
+    ``min(length, max(budget, most pins in a row))`` (computed here, not by the selection code)."""
     b, l_, h, n = batch.shape
     pins = compiled.pins(batch)
     if compiled.policy.spec.granularity == "request":
         pins = pins.any(dim=(1, 2), keepdim=True).expand(b, l_, h, n)
-    k, _ = keep_counts(batch.lengths.to(torch.int64), pins.reshape(b, l_ * h, n), compiled.budgets(batch))
-    return pins, k
+    lengths = batch.lengths.to(torch.int64).cpu()
+    valid = torch.arange(n)[None, None, None, :] < lengths[:, None, None, None]
+    npins = (pins.cpu() & valid).sum(-1).reshape(b, -1).amax(-1) if n else torch.zeros(b, dtype=torch.int64)
+    budget = _expected_budget(compiled, batch).clamp(min=0)
+    k = torch.minimum(lengths, torch.maximum(budget, npins))
+    return pins, k.to(batch.device)
 
 
 def _where(mask: torch.Tensor) -> str:

@@ -22,8 +22,7 @@ from __future__ import annotations
 import inspect
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 from torch import Tensor
@@ -33,6 +32,9 @@ from .budget import Budget
 from .errors import PolicyDefinitionError, traceback_line_in_file
 from .protect import Predicate, Rule, flatten
 from .stats import CATALOG, STORED_STATS, StatsConfig
+
+if TYPE_CHECKING:
+    from .backend import CompiledPolicy
 
 Granularity = Literal["request", "head"]
 
@@ -54,23 +56,6 @@ class PolicySpec(BaseModel):
     granularity: Granularity = "request"
     stats: StatsConfig = StatsConfig()
     params: Params | None = None
-
-
-@dataclass(frozen=True)
-class MaskContext:
-    """What a ``@vt.mask_policy`` function receives besides the statistics.
-
-    lengths ``[B]``, seq_lens ``[B]``, positions ``[B, L|1, H|1, N]``,
-    keep_count ``[B]`` (what the contract requires every row to keep),
-    pins ``[B, L, H, N]`` bool (must be kept), shape ``(B, L, H, N)``.
-    """
-
-    lengths: Tensor
-    seq_lens: Tensor
-    positions: Tensor
-    keep_count: Tensor
-    pins: Tensor
-    shape: tuple[int, int, int, int]
 
 
 def _loc(fn: Callable[..., Any]) -> tuple[str, int]:
@@ -223,11 +208,11 @@ class Policy:
         return Policy(self.fn, spec, self.kind, self._declared_reads)
 
     # --------------------------------------------------------------- backends
-    def compile(self, backend: str | None = None) -> Any:
-        """The compiled policy for a backend (``"torch"`` reference, or ``"triton"``)."""
+    def compile(self, backend: str | None = None, device: Any = None) -> CompiledPolicy:
+        """The compiled policy for a backend (``"torch"`` reference, or ``"triton"``; default: by ``device``)."""
         from .backend import compile_policy
 
-        return compile_policy(self, backend)
+        return compile_policy(self, backend, device)
 
     def keep_mask(self, batch: Any) -> Tensor:
         """``[B, L, H, N]`` keep mask with the torch reference (see ``vtoken_sdk.selection``)."""

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from . import ir
-from .batch import StatsBatch
+from .batch import MaskContext, StatsBatch
 from .errors import PolicyRuntimeError
 from .protect import AnyOf, Predicate, Recent, Rule, Sinks, Span
 from .selection import keep_counts, select
@@ -250,7 +250,6 @@ class ReferencePolicy:
         return out
 
     def _custom_mask(self, batch: StatsBatch, env: dict[str, Tensor], pins: Tensor, budget: Tensor) -> Tensor:
-        from .policy import MaskContext
         from .stats import TokenStats
 
         b, l_, h, n = batch.shape

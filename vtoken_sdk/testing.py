@@ -17,137 +17,15 @@ batches stay fast). Modes: ``ties`` (few distinct values), ``continuous``,
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-import torch
-from hypothesis import strategies as st
+from .checks import run_checks
+from .strategies import MODES, BatchSpec, CheckResult, PolicyReport, batch_specs, build_batch, stats_batches
 
-from .batch import StatsBatch
-from .stats import STORED_STATS
-
-MODES = ("ties", "continuous", "special")
-
-
-@dataclass(frozen=True)
-class BatchSpec:
-    """What a drawn batch looks like (printed for falsifying examples)."""
-
-    b: int
-    layers: int
-    heads: int
-    n: int
-    lengths: tuple[int, ...]
-    gaps: tuple[int, ...]
-    mode: str
-    seed: int
-    per_row_positions: bool
-    spans: tuple[tuple[int, int, int], ...]
-    budget: tuple[int, ...] | None
-
-    def describe(self) -> str:
-        return (f"B={self.b} L={self.layers} H={self.heads} N={self.n} lengths={list(self.lengths)} "
-                f"evicted-before={list(self.gaps)} mode={self.mode} seed={self.seed} "
-                f"per_row_positions={self.per_row_positions} spans={list(self.spans)} budget={self.budget}")
-
-
-def build_batch(spec: BatchSpec, stat_names: tuple[str, ...] = STORED_STATS) -> StatsBatch:
-    """Materialise a :class:`BatchSpec` into tensors (deterministic in ``spec``)."""
-    rng = np.random.default_rng(spec.seed)
-    b, l_, h, n = spec.b, spec.layers, spec.heads, spec.n
-    shape = (b, l_, h, n)
-    stats: dict[str, torch.Tensor] = {}
-    for name in stat_names:
-        if spec.mode == "ties":
-            v = rng.integers(0, 4, size=shape).astype(np.float32) / 2
-        elif spec.mode == "continuous":
-            v = rng.standard_normal(size=shape).astype(np.float32)
-        else:
-            v = rng.standard_normal(size=shape).astype(np.float32)
-            special = np.array([np.nan, np.inf, -np.inf, -0.0, 0.0], dtype=np.float32)
-            pick = rng.random(size=shape) < 0.3
-            v[pick] = rng.choice(special, size=int(pick.sum()))
-        if name in ("low_attn_count",):
-            v = np.where(np.isfinite(v), np.abs(np.round(v * 3)), v).astype(np.float32)
-        stats[name] = torch.from_numpy(v)
-    lengths = torch.tensor(spec.lengths, dtype=torch.int64)
-    seq_lens = torch.tensor([ln + g for ln, g in zip(spec.lengths, spec.gaps, strict=True)], dtype=torch.int64)
-    rows = (l_, h) if spec.per_row_positions else (1, 1)
-    pos = np.zeros((b, *rows, n), dtype=np.int64)
-    for i, (ln, sl) in enumerate(zip(spec.lengths, seq_lens.tolist(), strict=True)):
-        for r in np.ndindex(*rows):
-            chosen = np.sort(rng.choice(sl, size=ln, replace=False)) if ln else np.zeros(0, dtype=np.int64)
-            pos[(i, *r)][:ln] = chosen
-            pos[(i, *r)][ln:] = sl + np.arange(n - ln)  # padding: beyond the request
-    pinned = torch.zeros((b, 1, 1, n), dtype=torch.bool)
-    positions = torch.from_numpy(pos)
-    for req, start, end in spec.spans:
-        pinned[req] |= (positions[req] >= start) & (positions[req] < end) if rows == (1, 1) else False
-    budget = None if spec.budget is None else torch.tensor(spec.budget, dtype=torch.int64)
-    return StatsBatch(stats=stats, lengths=lengths, positions=positions, seq_lens=seq_lens,
-                      pinned=pinned if spec.spans else None, budget=budget, meta={"spec": spec})
-
-
-@st.composite
-def batch_specs(draw: Any, max_b: int = 4, max_layers: int = 2, max_heads: int = 3, max_n: int = 48,
-                modes: tuple[str, ...] = MODES, allow_budget_override: bool = True) -> BatchSpec:
-    b = draw(st.integers(1, max_b))
-    layers = draw(st.integers(1, max_layers))
-    heads = draw(st.integers(1, max_heads))
-    n = draw(st.integers(1, max_n))
-    lengths = tuple(draw(st.lists(st.integers(0, n), min_size=b, max_size=b)))
-    gaps = tuple(draw(st.lists(st.integers(0, 2 * n), min_size=b, max_size=b)))
-    mode = draw(st.sampled_from(modes))
-    seed = draw(st.integers(0, 2**16))
-    per_row = draw(st.booleans())
-    spans: tuple[tuple[int, int, int], ...] = ()
-    if not per_row and draw(st.booleans()):
-        spans = tuple(draw(st.lists(st.tuples(st.integers(0, b - 1), st.integers(0, 3 * n), st.integers(0, 8)).map(
-            lambda t: (t[0], t[1], t[1] + t[2])), max_size=3)))
-    budget = None
-    if allow_budget_override and draw(st.booleans()):
-        budget = tuple(draw(st.lists(st.integers(0, n + 2), min_size=b, max_size=b)))
-    return BatchSpec(b, layers, heads, n, lengths, gaps, mode, seed, per_row, spans, budget)
-
-
-def stats_batches(stat_names: tuple[str, ...] = STORED_STATS, **kw: Any) -> st.SearchStrategy[StatsBatch]:
-    """Strategy of :class:`StatsBatch` with the given stored statistics."""
-    return batch_specs(**kw).map(lambda s: build_batch(s, stat_names))
-
-
-# ---------------------------------------------------------------------------- check_policy
-
-
-@dataclass
-class CheckResult:
-    name: str
-    ok: bool
-    detail: str = ""
-    example: str = ""
-    line: int | None = None
-
-
-@dataclass
-class PolicyReport:
-    policy: str
-    results: list[CheckResult] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return all(r.ok for r in self.results)
-
-    def summary(self) -> str:
-        lines = [f"policy {self.policy}:"]
-        for r in self.results:
-            lines.append(f"  [{'PASS' if r.ok else 'FAIL'}] {r.name} {r.detail}")
-            if r.example:
-                lines.append(f"      falsifying example: {r.example}")
-        return "\n".join(lines)
+__all__ = ["MODES", "BatchSpec", "CheckResult", "PolicyReport", "batch_specs", "build_batch", "check_policy",
+           "stats_batches"]
 
 
 def check_policy(policy: Any, examples: int = 200, checks: tuple[str, ...] | None = None) -> PolicyReport:
     """Run every contract check (see :mod:`vtoken_sdk.checks`) on ``policy``."""
-    from .checks import run_checks
-
     return run_checks(policy, examples=examples, only=checks)

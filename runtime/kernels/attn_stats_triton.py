@@ -7,10 +7,10 @@ update the layer's per-slot statistics in place. Semantics: :mod:`.attn_stats_re
 reference; exact definitions there and in docs/kernels.md).
 
 1. ``softmax_rows_kernel`` grid ``(B, H_kv, cdiv(Q, BLOCK_Q))``: online max / sum-of-exp of every
-   (query, query head) row over all key tiles -> ``m, l`` (``[B, H_q, Q]``, 8 bytes per query row).
+   (query, query head) row over all key tiles -> ``m, l`` and the visible-key count (``[B, H_q, Q]``).
 2. ``slot_stats_kernel`` grid ``(B, H_kv, cdiv(max_blocks * bs, BLOCK_N))``: for one tile of key
    slots, loop over the query blocks, ``P = sum_g exp(s - m) / l`` and reduce over queries into the
-   four statistics (semantics of ``vtoken_runtime.stats_collector``); each (request, KV head, slot) belongs to exactly one program, so accumulation
+   four statistics (semantics of ``vtoken_runtime.stats.reference``); each (request, KV head, slot) belongs to exactly one program, so accumulation
    is a plain load-add-store (deterministic, no atomics).
 
 Keys are read twice (pass 1 and 2) and queries once per key tile; the statistics are written once.
@@ -64,7 +64,7 @@ def _load_q(q_ptr, q_sb, q_sq, q_sh, k_ptr, b, qi, head, rvalid, d, D, UPCAST: t
 
 @triton.jit
 def softmax_rows_kernel(q_ptr, q_sb, q_sq, q_sh, k_ptr, k_snb, k_sbs, k_sh, bt_ptr, bt_sb, lens_ptr,
-                        qpos_ptr, qpos_sb, kpos_ptr, kpos_sr, m_ptr, l_ptr, Q, Hq, D, scale,
+                        qpos_ptr, qpos_sb, kpos_ptr, kpos_sr, m_ptr, l_ptr, nvis_ptr, Q, Hq, D, scale,
                         G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_D: tl.constexpr, bs: tl.constexpr, KPOS_PER_HEAD: tl.constexpr,
                         PREC: tl.constexpr, UPCAST: tl.constexpr):
@@ -80,6 +80,7 @@ def softmax_rows_kernel(q_ptr, q_sb, q_sq, q_sh, k_ptr, k_snb, k_sbs, k_sh, bt_p
     qv = _load_q(q_ptr, q_sb, q_sq, q_sh, k_ptr, b, qi, h * G + g, rvalid, d, D, UPCAST)
     m = tl.full([G_PAD * BLOCK_Q], NEG_INF, tl.float32)
     lsum = tl.zeros([G_PAD * BLOCK_Q], dtype=tl.float32)
+    nvis = tl.zeros([G_PAD * BLOCK_Q], dtype=tl.float32)
     n_len = tl.load(lens_ptr + b).to(tl.int32)
     for j0 in range(0, n_len, BLOCK_N):
         j = j0 + tl.arange(0, BLOCK_N)
@@ -93,15 +94,17 @@ def softmax_rows_kernel(q_ptr, q_sb, q_sq, q_sh, k_ptr, k_snb, k_sbs, k_sh, bt_p
         alpha = tl.where(m_new == NEG_INF, 0.0, tl.exp(m - m_new))
         p = tl.where(vis, tl.exp(s - m_new[:, None]), 0.0)
         lsum = lsum * alpha + tl.sum(p, axis=1)
+        nvis += tl.sum(vis.to(tl.float32), axis=1)
         m = m_new
     out = b * Hq * Q + (h * G + g) * Q + qi
     tl.store(m_ptr + out, m, mask=rin)
     tl.store(l_ptr + out, lsum, mask=rin)
+    tl.store(nvis_ptr + out, nvis, mask=rin)
 
 
 @triton.jit
 def slot_stats_kernel(q_ptr, q_sb, q_sq, q_sh, k_ptr, k_snb, k_sbs, k_sh, bt_ptr, bt_sb, lens_ptr,
-                      qpos_ptr, qpos_sb, kpos_ptr, kpos_sr, m_ptr, l_ptr, qn_ptr, w_ptr, decay_ptr,
+                      qpos_ptr, qpos_sb, kpos_ptr, kpos_sr, m_ptr, l_ptr, nvis_ptr, qn_ptr, plen_ptr, w_ptr, decay_ptr,
                       sum_ptr, lastout_ptr, win_ptr, low_ptr, out_sh, Q, Hq, D, scale, obs_window, thr_g,
                       DO_SUM: tl.constexpr, DO_LAST: tl.constexpr, DO_WIN: tl.constexpr, DO_LOW: tl.constexpr,
                       G: tl.constexpr, G_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -111,6 +114,7 @@ def slot_stats_kernel(q_ptr, q_sb, q_sq, q_sh, k_ptr, k_snb, k_sbs, k_sh, bt_ptr
     h = tl.program_id(1)
     n_len = tl.load(lens_ptr + b).to(tl.int32)
     qn = tl.load(qn_ptr + b)
+    plen = tl.load(plen_ptr + b)
     j = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
     jm = j < n_len
     active = tl.program_id(2) * BLOCK_N < n_len
@@ -147,9 +151,9 @@ def slot_stats_kernel(q_ptr, q_sb, q_sq, q_sh, k_ptr, k_snb, k_sbs, k_sh, bt_ptr
         if DO_LAST:
             acc_last += tl.sum(tl.where((vq & (qq == qn - 1))[:, None], Pv, 0.0), axis=0)
         if DO_WIN:
-            acc_win += tl.sum(tl.where((vq & (qq > qn - 1 - obs_window))[:, None], Pv, 0.0), axis=0)
+            acc_win += tl.sum(tl.where((vq & (qp >= plen - obs_window) & (qp < plen))[:, None], Pv, 0.0), axis=0)
         if DO_LOW:
-            nv = tl.maximum(n_len - qn + qq + 1, 1).to(tl.float32)
+            nv = tl.maximum(tl.load(nvis_ptr + b * Hq * Q + h * G * Q + qq, mask=qq < Q, other=1.0), 1.0)
             thr = tl.div_rn(tl.zeros([BLOCK_Q], dtype=tl.float32) + thr_g, nv)
             w = tl.load(w_ptr + b * Q + qq, mask=qq < Q, other=0.0)
             low = visq & (P < thr[:, None])
@@ -160,7 +164,7 @@ def slot_stats_kernel(q_ptr, q_sb, q_sq, q_sh, k_ptr, k_snb, k_sbs, k_sh, bt_ptr
     if DO_LAST:
         tl.store(lastout_ptr + o, acc_last, mask=jm)
     if DO_WIN:
-        tl.store(win_ptr + o, acc_win, mask=jm)
+        tl.store(win_ptr + o, tl.load(win_ptr + o, mask=jm, other=0.0) + acc_win, mask=jm)
     if DO_LOW:
         dec = tl.load(decay_ptr + b)
         tl.store(low_ptr + o, tl.load(low_ptr + o, mask=jm, other=0.0) * dec + acc_low, mask=jm)
@@ -190,11 +194,13 @@ def update_attn_stats(
     obs_window: int = 32,
     history_window: int = 64,
     low_attn_threshold: float = 1.0,
+    prompt_lens: torch.Tensor | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
 ) -> None:
     """Update ``stats[name]`` (``[H_kv, S]`` float32, names from :data:`STAT_NAMES`) in place for one
-    layer and one step; see :mod:`.attn_stats_ref` for the definitions."""
+    layer and one step; ``prompt_lens [B]`` (default: the end of this step) places the observation
+    window; see :mod:`.attn_stats_ref` / ``vtoken_runtime.stats.reference`` for the definitions."""
     unknown = set(stats) - set(STAT_NAMES)
     if unknown:
         raise ValueError(f"unknown attention statistics {sorted(unknown)}; known: {STAT_NAMES}")
@@ -225,6 +231,7 @@ def update_attn_stats(
     upcast = key_cache.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET", "0") == "1"
     m = torch.empty((B, Hq, Q), dtype=torch.float32, device=dev)
     lsum = torch.empty_like(m)
+    nvis = torch.empty_like(m)  # visible keys per query row (the same for the G heads of a KV head)
     valid_q = qpos >= 0
     qn = valid_q.sum(1)
     i = torch.arange(Q, device=dev)[None, :]
@@ -232,9 +239,10 @@ def update_attn_stats(
     w = (decay ** (qn[:, None] - 1 - i).clamp(min=0).to(torch.float32) * valid_q).contiguous()  # as the collector
     decay_b = (decay ** qn.to(torch.float32)).contiguous()
     qn32 = qn.to(torch.int32).contiguous()
+    plen = (qpos.max(1).values + 1 if prompt_lens is None else prompt_lens.to(dev, torch.int64)).contiguous()
     common = (query, query.stride(0), query.stride(1), query.stride(2), key_cache, key_cache.stride(0),
               key_cache.stride(1), key_cache.stride(2), bt, bt.stride(0), lens, qpos, qpos.stride(0), kpos,
-              kpos.stride(0), m, lsum)
+              kpos.stride(0), m, lsum, nvis)
     consts = {"G": G, "G_PAD": cfg["G_PAD"], "BLOCK_Q": cfg["BLOCK_Q"], "BLOCK_N": cfg["BLOCK_N"],
               "BLOCK_D": cfg["BLOCK_D"], "bs": bs, "KPOS_PER_HEAD": per_head,
               "PREC": "ieee" if upcast else "tf32", "UPCAST": upcast}
@@ -247,7 +255,7 @@ def update_attn_stats(
             raise ValueError("stats must be [H_kv, S] float32 tensors with unit stride along S and equal strides")
     thr_g = float(np.float32(low_attn_threshold) * np.float32(G))
     grid = (B, Hkv, triton.cdiv(bt.shape[1] * bs, cfg["BLOCK_N"]))
-    slot_stats_kernel[grid](*common, qn32, w, decay_b, *ptrs, ref.stride(0), Q, Hq, D, scale, int(obs_window),
+    slot_stats_kernel[grid](*common, qn32, plen, w, decay_b, *ptrs, ref.stride(0), Q, Hq, D, scale, int(obs_window),
                             thr_g, DO_SUM="attn_sum" in stats, DO_LAST="attn_last" in stats,
                             DO_WIN="attn_window" in stats, DO_LOW="low_attn_count" in stats, **consts,
                             num_warps=num_warps)
@@ -260,14 +268,14 @@ def aot_specs(arch: int = 90) -> list[tuple[object, dict[str, str], dict[str, ob
     base = {"q_ptr": "*bf16", "q_sb": "i32", "q_sq": "i32", "q_sh": "i32", "k_ptr": "*bf16", "k_snb": "i32",
             "k_sbs": "i32", "k_sh": "i32", "bt_ptr": "*i32", "bt_sb": "i32", "lens_ptr": "*i32",
             "qpos_ptr": "*i64", "qpos_sb": "i32", "kpos_ptr": "*i64", "kpos_sr": "i32", "m_ptr": "*fp32",
-            "l_ptr": "*fp32"}
+            "l_ptr": "*fp32", "nvis_ptr": "*fp32"}
     for G, Q, what in ((3, 1, "decode G=3"), (4, 512, "prefill G=4")):
         cfg = _config(G, Q, 128, None)
         warps = cfg.pop("num_warps")
         consts = {"G": G, **cfg, "bs": 16, "KPOS_PER_HEAD": True, "PREC": "tf32", "UPCAST": False}
         out.append((softmax_rows_kernel, {**base, "Q": "i32", "Hq": "i32", "D": "i32", "scale": "fp32"}, consts, warps,
                     f"attn_stats.softmax_rows[{what}]"))
-        sig = {**base, "qn_ptr": "*i32", "w_ptr": "*fp32", "decay_ptr": "*fp32", "sum_ptr": "*fp32",
+        sig = {**base, "qn_ptr": "*i32", "plen_ptr": "*i64", "w_ptr": "*fp32", "decay_ptr": "*fp32", "sum_ptr": "*fp32",
                "lastout_ptr": "*fp32", "win_ptr": "*fp32", "low_ptr": "*fp32", "out_sh": "i32", "Q": "i32",
                "Hq": "i32", "D": "i32", "scale": "fp32", "obs_window": "i32", "thr_g": "fp32"}
         out.append((slot_stats_kernel, sig, {**consts, "DO_SUM": True, "DO_LAST": True, "DO_WIN": True,

@@ -6,11 +6,11 @@ Enable it by configuration::
     from vtoken_runtime.vllm_plugin import vllm_engine_args
     llm = LLM(model=path, **vllm_engine_args(policy="h2o", mode="compact", eviction_ratio=0.5))
 
-``vllm serve``: ``vllm serve MODEL --scheduler-cls vtoken_runtime.vllm_plugin.scheduler.VTokenScheduler
---worker-cls vtoken_runtime.vllm_plugin.worker.VTokenCPUWorker --no-enable-prefix-caching
---no-async-scheduling --additional-config '{"vtoken": {"policy": "h2o", "mode": "compact"}}'``
-(``serve_flags(...)`` prints exactly that). Per-request options: ``SamplingParams(extra_args={"vtoken":
-{"pinned_spans": [[0, 64]], "budget_tokens": 512, "enabled": False}})``. See docs/vllm.md.
+The OpenAI server: ``vtoken-cli serve MODEL --policy h2o --eviction-ratio 0.5 [any vLLM server flag]``
+(``serve_flags(...)`` gives the plugin's flags for any other launcher). Per-request options, the same
+flat keys over HTTP (``vllm_xargs``) and in Python (``SamplingParams(extra_args=...)``):
+``vtoken_enabled``, ``vtoken_budget_tokens``, ``vtoken_eviction_ratio``, ``vtoken_pinned_spans``
+(validated at admission: a bad value is an HTTP 400 / a ValueError). See docs/vllm.md.
 
 Importing this package does not import vLLM; ``register()`` is the ``vllm.general_plugins`` entry
 point (vLLM calls it in every process before building engines).
@@ -27,6 +27,7 @@ __all__ = ["PluginConfig", "RequestOptions", "register", "request_options", "ser
 
 SCHEDULER_CLS = "vtoken_runtime.vllm_plugin.scheduler.VTokenScheduler"
 WORKER_CLS = "vtoken_runtime.vllm_plugin.worker.VTokenCPUWorker"
+FRONTEND_CLS = "vtoken_runtime.vllm_plugin.frontend:VTokenOptions"
 
 log = logging.getLogger("vtoken.vllm")
 _REGISTERED = False
@@ -40,6 +41,9 @@ def register() -> None:
     if _REGISTERED:
         return
     _REGISTERED = True
+    from .metrics import use_vllm_logging
+
+    use_vllm_logging()
     log.debug("vtoken plugin registered (enable per engine with vllm_engine_args())")
 
 
@@ -60,10 +64,15 @@ def vllm_engine_args(policy: str | None = "none", mode: str = "compact", evictio
                          "compacted under another request); leave enable_prefix_caching unset")
     if extra.get("async_scheduling"):
         raise ValueError("vtoken: async scheduling is not supported; leave async_scheduling unset")
+    if int(extra.get("pipeline_parallel_size") or 1) > 1:
+        raise ValueError("vtoken: pipeline parallelism is not supported (tensor parallelism is); "
+                         "leave pipeline_parallel_size at 1")
     additional = dict(extra.pop("additional_config", None) or {})
     additional["vtoken"] = cfg.to_dict()
+    procs = [p for p in (extra.pop("logits_processors", None) or []) if p != FRONTEND_CLS]
     args = {"scheduler_cls": SCHEDULER_CLS, "worker_cls": WORKER_CLS, "enable_prefix_caching": False,
-            "async_scheduling": False, "additional_config": additional}
+            "async_scheduling": False, "additional_config": additional,
+            "logits_processors": [FRONTEND_CLS, *procs]}  # validates per-request options at admission
     args.update(extra)
     return args
 
@@ -74,4 +83,5 @@ def serve_flags(**kw: Any) -> list[str]:
 
     a = vllm_engine_args(**kw)
     return ["--scheduler-cls", a["scheduler_cls"], "--worker-cls", a["worker_cls"], "--no-enable-prefix-caching",
-            "--no-async-scheduling", "--additional-config", json.dumps(a["additional_config"])]
+            "--no-async-scheduling", "--additional-config", json.dumps(a["additional_config"]),
+            "--logits-processors", *a["logits_processors"]]

@@ -69,6 +69,11 @@ class PluginConfig:
                              "vtoken_runtime.vllm_plugin.vllm_engine_args(policy=...)")
         if isinstance(raw, PluginConfig):
             return raw
+        if isinstance(raw, str):  # {"vtoken": "h2o"}: a policy name (or file) with the defaults
+            return cls(policy=raw)
+        if not isinstance(raw, dict):
+            raise ValueError(f"vtoken: additional_config['vtoken'] must be a policy name or a mapping of settings, "
+                             f"got {raw!r}")
         known = set(cls.__dataclass_fields__)
         bad = sorted(set(raw) - known)
         if bad:
@@ -89,6 +94,17 @@ class PluginConfig:
                       else Budget.evict(float(self.eviction_ratio), **keep))
             pol = pol.configure(budget=budget)
         return pol
+
+
+def describe_policy(policy: Any) -> str:
+    """One line: policy, budget, granularity, statistics read (the start-up log line and ``vtoken-cli serve``)."""
+    if policy is None:
+        return "policy=none (no eviction; the indirection runs)"
+    b = policy.budget
+    size = f"tokens={b.tokens}" if b.tokens is not None else f"eviction_ratio={1.0 - float(b.ratio):g}"
+    extra = "".join(f" {k}={getattr(b, k)}" for k in ("min_tokens", "slack") if getattr(b, k))
+    return (f"policy={policy.name} budget({size}{extra} when={b.when}) granularity={policy.granularity} "
+            f"statistics={sorted(policy.stored_reads) or 'none'}")
 
 
 @lru_cache(maxsize=16)
@@ -118,12 +134,19 @@ def _load_policy(spec: str, name: str | None) -> Any:
 
 @dataclass(frozen=True)
 class RequestOptions:
-    """Per-request options from ``SamplingParams(extra_args={"vtoken": {...}})``.
+    """Per-request options, one flat vocabulary for HTTP (``vllm_xargs``) and Python
+    (``SamplingParams(extra_args=...)``)::
 
-    enabled         False opts the request out of eviction (it still runs through the indirection)
-    pinned_spans    ``[[start, end), ...]`` true positions never evicted (a system prompt, a tool output)
-    budget_tokens   absolute budget for this request (overrides the policy budget)
-    eviction_ratio  budget ``ratio = 1 - eviction_ratio`` of the processed length for this request
+        vtoken_enabled         bool     False opts the request out of eviction (it still runs through the
+                                        indirection); JSON false arrives over HTTP as 0: 0/1 are accepted
+        vtoken_budget_tokens   int >= 1 absolute budget for this request (overrides the policy's size)
+        vtoken_eviction_ratio  float    in [0, 1): budget ``ratio = 1 - eviction_ratio`` of the processed length
+        vtoken_pinned_spans    [int]    flat list read as [start, end) pairs of true positions never evicted
+                                        (a system prompt, a tool output); clipped to the request
+
+    The nested ``{"vtoken": {"enabled", "budget_tokens", "eviction_ratio", "pinned_spans": [[s, e], ...]}}``
+    stays as an alias (Python only: HTTP ``vllm_xargs`` values must be flat). Anything else that starts
+    with ``vtoken`` is an error: options are rejected, never silently dropped.
     """
 
     enabled: bool = True
@@ -131,46 +154,99 @@ class RequestOptions:
     budget_tokens: int | None = None
     eviction_ratio: float | None = None
 
-    def budget(self, seq_len: int, default: int) -> int:
-        if self.budget_tokens is not None:
-            return int(self.budget_tokens)
-        if self.eviction_ratio is not None:
-            import math
+    def clipped_spans(self, length: int) -> list[tuple[int, int]]:
+        """Spans clipped to a request of ``length`` positions (empty spans dropped)."""
+        return [(a, min(b, length)) for a, b in self.pinned_spans if a < min(b, length)]
 
-            return int(math.floor((1.0 - float(self.eviction_ratio)) * seq_len + 0.5))
-        return default
 
-    @property
-    def overrides_budget(self) -> bool:
-        return self.budget_tokens is not None or self.eviction_ratio is not None
+FLAT_KEYS = ("vtoken_enabled", "vtoken_budget_tokens", "vtoken_eviction_ratio", "vtoken_pinned_spans")
+NESTED_KEYS = ("enabled", "budget_tokens", "eviction_ratio", "pinned_spans")
+MAX_SPANS = 4096
+
+
+def _bool(key: str, v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, int) and v in (0, 1):  # HTTP: JSON true/false arrive as 1/0
+        return bool(v)
+    raise ValueError(f"vtoken: {key} must be a boolean (true/false), got {v!r}")
+
+
+def _int(key: str, v: Any, lo: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int | float) or not abs(v) <= 2**62 or v != int(v):
+        raise ValueError(f"vtoken: {key} must be an integer >= {lo}, got {v!r}")
+    if int(v) < lo:
+        raise ValueError(f"vtoken: {key} must be an integer >= {lo}, got {v!r}")
+    return int(v)
+
+
+def _ratio(key: str, v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, int | float) or not 0.0 <= float(v) < 1.0:
+        raise ValueError(f"vtoken: {key} must be a number in [0, 1), got {v!r}")
+    return float(v)
+
+
+def _spans(key: str, v: Any, nested: bool) -> tuple[tuple[int, int], ...]:
+    if not isinstance(v, list | tuple):
+        raise ValueError(f"vtoken: {key} must be a list of integers read as [start, end) pairs, got {v!r}")
+    if nested and all(isinstance(x, list | tuple) for x in v):
+        flat = [y for x in v for y in (x if len(x) == 2 else [None, None, None])]
+    else:
+        flat = list(v)
+    if len(flat) % 2 or len(flat) > 2 * MAX_SPANS:
+        raise ValueError(f"vtoken: {key} must hold an even number of integers (at most {2 * MAX_SPANS}), "
+                         f"read as [start, end) pairs; got {len(flat)} value(s)")
+    out = []
+    for a, b in zip(flat[0::2], flat[1::2], strict=True):
+        a, b = _int(key, a, 0), _int(key, b, 0)
+        if a > b:
+            raise ValueError(f"vtoken: {key}: span [{a}, {b}) must satisfy start <= end")
+        out.append((a, b))
+    return tuple(out)
+
+
+def parse_request_options(extra_args: Any) -> RequestOptions:
+    """Options from ``extra_args`` (a mapping; the flat keys and/or the nested ``"vtoken"`` alias).
+    ValueError names the key and what it expects; unknown ``vtoken*`` keys are errors."""
+    if extra_args is None:
+        return RequestOptions()
+    if not isinstance(extra_args, dict):
+        raise ValueError(f"vtoken: extra_args must be a mapping, got {type(extra_args).__name__}")
+    vals: dict[str, Any] = {}
+    for k, v in extra_args.items():
+        if not isinstance(k, str) or not k.startswith(CONFIG_KEY) or k == CONFIG_KEY:
+            continue
+        if k not in FLAT_KEYS:
+            raise ValueError(f"vtoken: unknown per-request option {k!r}; known: {list(FLAT_KEYS)}")
+        vals[k[len(CONFIG_KEY) + 1:]] = (k, v, False)
+    nested = extra_args.get(CONFIG_KEY)
+    if nested is not None:
+        if nested is False:
+            nested = {"enabled": False}
+        if not isinstance(nested, dict):
+            raise ValueError(f"vtoken: extra_args['vtoken'] must be a mapping or false, got {nested!r}")
+        for k, v in nested.items():
+            if k not in NESTED_KEYS:
+                raise ValueError(f"vtoken: unknown per-request option 'vtoken.{k}'; known: {list(NESTED_KEYS)} "
+                                 f"(or the flat keys {list(FLAT_KEYS)})")
+            if k in vals:
+                raise ValueError(f"vtoken: option {k!r} given both flat and nested")
+            vals[k] = (f"vtoken.{k}", v, True)
+    opts: dict[str, Any] = {}
+    for name, (key, v, is_nested) in vals.items():
+        if name == "enabled":
+            opts["enabled"] = _bool(key, v)
+        elif name == "budget_tokens":
+            opts["budget_tokens"] = _int(key, v, 1)
+        elif name == "eviction_ratio":
+            opts["eviction_ratio"] = _ratio(key, v)
+        else:
+            opts["pinned_spans"] = _spans(key, v, is_nested)
+    if "budget_tokens" in opts and "eviction_ratio" in opts:
+        raise ValueError("vtoken: give at most one of vtoken_budget_tokens and vtoken_eviction_ratio")
+    return RequestOptions(**opts)
 
 
 def request_options(sampling_params: Any) -> RequestOptions:
-    """Parse ``sampling_params.extra_args["vtoken"]``; ValueError names the bad key."""
-    extra = getattr(sampling_params, "extra_args", None) or {}
-    raw = extra.get(CONFIG_KEY)
-    if raw is None:
-        return RequestOptions()
-    if raw is False:
-        return RequestOptions(enabled=False)
-    if not isinstance(raw, dict):
-        raise ValueError(f"vtoken: extra_args['vtoken'] must be a dict or False, got {type(raw).__name__}")
-    known = {"enabled", "opt_out", "pinned_spans", "budget_tokens", "eviction_ratio"}
-    bad = sorted(set(raw) - known)
-    if bad:
-        raise ValueError(f"vtoken: unknown per-request option(s) {bad}; known: {sorted(known)}")
-    enabled = bool(raw.get("enabled", True)) and not bool(raw.get("opt_out", False))
-    spans = []
-    for s in raw.get("pinned_spans", ()) or ():
-        a, b = (int(x) for x in s)
-        if not 0 <= a <= b:
-            raise ValueError(f"vtoken: pinned span {s!r} must satisfy 0 <= start <= end")
-        spans.append((a, b))
-    bt = raw.get("budget_tokens")
-    er = raw.get("eviction_ratio")
-    if bt is not None and int(bt) < 1:
-        raise ValueError(f"vtoken: budget_tokens must be >= 1, got {bt}")
-    if er is not None and not 0.0 <= float(er) < 1.0:
-        raise ValueError(f"vtoken: eviction_ratio must lie in [0, 1), got {er}")
-    return RequestOptions(enabled=enabled, pinned_spans=tuple(spans), budget_tokens=None if bt is None else int(bt),
-                          eviction_ratio=None if er is None else float(er))
+    """Parse a request's ``sampling_params.extra_args``; ValueError names the bad key."""
+    return parse_request_options(getattr(sampling_params, "extra_args", None))

@@ -44,9 +44,9 @@ def check_supported(vllm_config: Any) -> None:
     if vllm_config.kv_transfer_config is not None:
         raise ValueError("vtoken: KV transfer connectors are not supported")
     pc = vllm_config.parallel_config
-    if pc.pipeline_parallel_size > 1 or pc.tensor_parallel_size > 1:
-        log.warning("vtoken: multi-rank (TP=%d, PP=%d) is designed but not verified; see docs/vllm.md",
-                    pc.tensor_parallel_size, pc.pipeline_parallel_size)
+    if pc.pipeline_parallel_size > 1:
+        raise ValueError(f"vtoken: pipeline parallelism (pipeline_parallel_size={pc.pipeline_parallel_size}) is "
+                         "not supported; tensor parallelism is (ranks agree on every eviction)")
 
 
 class VTokenScheduler(Scheduler):

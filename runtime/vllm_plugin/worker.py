@@ -33,6 +33,7 @@ import logging
 import os
 import time
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -40,10 +41,13 @@ import torch
 
 from vtoken_runtime.block_pool import BlockPool
 from vtoken_runtime.copy_engine import CopyEngine
+from vtoken_runtime.eviction import EvictionDriver
+from vtoken_runtime.stats import StatsCollector
 from vtoken_runtime.token_table import cdiv
 
-from .collector import StatsCollector, StepContext, VTokenAttentionImpl, build_step_index
-from .config import PluginConfig, RequestOptions, request_options
+from .collector import StepContext, VTokenAttentionImpl, build_step_index
+from .config import PluginConfig, RequestOptions, describe_policy, request_options
+from .metrics import record_step
 
 log = logging.getLogger("vtoken.vllm")
 
@@ -119,8 +123,9 @@ class VllmCpuCopyEngine(CopyEngine):
     (:func:`probe_cpu_kv_layout`). Moves single elements of a flat view: a token-head move is
     ``2 * D`` element moves (K and V), whatever the ISA's layout."""
 
-    kmap: np.ndarray
-    vmap: np.ndarray
+    def __init__(self, *args: Any, kmap: np.ndarray, vmap: np.ndarray, **kwargs: Any) -> None:
+        self.kmap, self.vmap = kmap, vmap
+        super().__init__(*args, **kwargs)
 
     def _kv_views(self, t: Any) -> list[torch.Tensor]:
         if isinstance(t, tuple) or tuple(t.shape) != (self.nb, self.H, self.bs, 2 * self.D):
@@ -157,53 +162,50 @@ def _affine(m: np.ndarray) -> tuple[int, int, int] | None:
     return (o, st, sd) if bool((m == o + t * st + d * sd).all()) else None
 
 
-def use_vllm_cpu_layout(cache: Any, isa: str) -> None:
-    """Point the cache's K/V views and copy engine at the real (probed) vLLM CPU layout."""
-    eng = cache.engine
-    D, bs, H = cache.head_size, cache.block_size, cache.num_kv_heads
-    dtype = cache.kv_caches[0].dtype
-    kmap, vmap = probe_cpu_kv_layout(isa, dtype, bs, D)
+def vllm_cpu_views(kv_caches: Sequence[torch.Tensor], kmap: np.ndarray, vmap: np.ndarray
+                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``[NB, bs, H, D]`` (K, V) views of vLLM's CPU caches ``[NB, H, bs, 2D]`` for the probed layout
+    (:func:`probe_cpu_kv_layout`), which must be affine per block (true for the ``vec`` ISA in fp32)."""
     ka, va = _affine(kmap), _affine(vmap)
     if ka is None or va is None:
-        raise ValueError(f"vtoken: the CPU KV layout of isa={isa!r} ({dtype}) is not affine per block; "
+        raise ValueError(f"vtoken: the CPU KV layout of {kv_caches[0].dtype} is not affine per block; "
                          "the torch reference views cannot address it (use float32 or another ISA)")
-    R = 2 * bs * D
-    for li, t in enumerate(cache.kv_caches):
-        for views, (o, st, sd) in ((cache._k, ka), (cache._v, va)):
-            views[li] = t.as_strided((t.shape[0], bs, H, D), (H * R, st, R, sd), t.storage_offset() + o)
-    new = VllmCpuCopyEngine.__new__(VllmCpuCopyEngine)
-    new.kmap, new.vmap = kmap, vmap
-    new.__init__(cache.kv_caches, "vllm_cpu", H, D, bs, cache.num_blocks, cache.store,
-                 per_head=cache.granularity == "head", async_copy=eng._async, chunk_bytes=eng.chunk_bytes)
-    cache.engine = new
-
-
-def naive_len(st: Any) -> int:
-    """Scheduler cache length under the naive rule: slots of the naive layout (full blocks + open tail)."""
-    if not st.naive_counts:
-        return 0
-    return (len(st.naive_counts) - 1) * st.block_size + int(st.naive_counts[-1])
+    bs, D = kmap.shape
+    out = []
+    for t in kv_caches:
+        H = t.shape[1]
+        R = 2 * bs * D
+        out.append(tuple(t.as_strided((t.shape[0], bs, H, D), (H * R, st, R, sd), t.storage_offset() + o)
+                         for o, st, sd in (ka, va)))
+    return out  # type: ignore[return-value]
 
 
 class VTokenRunnerMixin:
-    """Mixed into vLLM's CPU model runner (see module doc). Attributes are prefixed ``_vt``."""
+    """Mixed into vLLM's CPU model runner (see module doc). Attributes are prefixed ``_vt``; the runner
+    only adapts vLLM's metadata: eviction is :class:`~vtoken_runtime.eviction.EvictionDriver`'s and the
+    statistics :class:`~vtoken_runtime.stats.StatsCollector`'s, shared with the HF adapter."""
 
     # ------------------------------------------------------------------ setup
     def _vt_setup(self) -> None:
         cfg = PluginConfig.from_vllm_config(self.vllm_config)
         self._vt_cfg = cfg
         self._vt_policy = cfg.load_policy()
-        self._vt_compiled = self._vt_policy.compile("torch") if self._vt_policy is not None else None
         self._vt_cache: Any = None
+        self._vt_pool: ExternalPool | None = None
+        self._vt_driver: EvictionDriver | None = None
         self._vt_collector: StatsCollector | None = None
         self._vt_step: StepContext | None = None
         self._vt_opts: dict[str, RequestOptions] = {}
-        self._vt_failed: dict[str, str] = {}
         self._vt_n_sched: dict[str, int] = {}
         self.vtoken_trace: dict[str, list[tuple[int, int, np.ndarray]]] | None = None
-        self.vtoken_counters = {"evictions": 0, "tokens_evicted": 0, "tokens_moved": 0, "blocks_freed": 0,
-                                "policy_failures": 0, "policy_seconds": 0.0, "reclaim_seconds": 0.0,
-                                "prepare_seconds": 0.0, "steps": 0}
+        self._vt_times = {"prepare_seconds": 0.0, "steps": 0}
+        self._vt_rank = 0
+
+    @property
+    def vtoken_counters(self) -> dict[str, float]:
+        """Eviction counters of this worker (the driver's) plus input-preparation time and steps."""
+        base = dict(self._vt_driver.counters) if self._vt_driver is not None else {}
+        return {**base, **self._vt_times}
 
     def initialize_kv_cache(self, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
         super().initialize_kv_cache(kv_cache_config, *args, **kwargs)  # type: ignore[misc]
@@ -238,7 +240,9 @@ class VTokenRunnerMixin:
         # The runtime's numba copy path is kept out of vLLM processes: once numba is imported, vLLM's
         # kernel-rebinding scan of sys.modules (init_worker of the next engine in the same process)
         # crashes on numba's '_lib_fn_wrapper' objects. VTOKEN_CPU_COPY set by the user still wins.
-        os.environ.setdefault("VTOKEN_CPU_COPY", "torch")
+        copy_path = os.environ.get("VTOKEN_CPU_COPY", "torch")
+        kmap, vmap = probe_cpu_kv_layout(getattr(layers[names[0]], "isa", None) or "vec", kv[0].dtype, bs, d2 // 2)
+        self._vt_pool = ExternalPool(nb, debug=self._vt_cfg.debug)
         cache = VTokenCache(
             num_layers=len(names), num_kv_heads=H, head_size=d2 // 2, block_size=bs, num_blocks=nb,
             granularity=pol.granularity if pol is not None else "request",
@@ -246,19 +250,22 @@ class VTokenRunnerMixin:
             kv_layout="vllm_cpu", dtype=kv[0].dtype, device=kv[0].device, stat_names=stat_names,
             max_requests=int(sched.max_num_seqs) + 8,
             max_blocks_per_request=cdiv(int(self.max_model_len), bs) + 2,
-            kv_caches=list(kv), async_copy=True, debug=self._vt_cfg.debug)
-        cache.pool = ExternalPool(nb, debug=self._vt_cfg.debug)
-        use_vllm_cpu_layout(cache, getattr(layers[names[0]], "isa", None) or "vec")
+            kv_caches=list(kv), async_copy=True, debug=self._vt_cfg.debug, copy_path=copy_path,
+            kv_views=vllm_cpu_views(kv, kmap, vmap), pool=self._vt_pool,
+            copy_engine=partial(VllmCpuCopyEngine, kmap=kmap, vmap=vmap))
         self._vt_cache = cache
+        self._vt_rank, collective = _tp_collective(pol)
+        self._vt_driver = EvictionDriver(cache, collective=collective)
         if stat_names:
-            self._vt_collector = StatsCollector(cache, stat_names, pol.spec.stats)
+            G = int(self.model_config.get_num_attention_heads(self.parallel_config)) // H
+            self._vt_collector = StatsCollector(cache, stat_names, pol.spec.stats, G)
         for i, n in enumerate(names):
             layer = layers[n]
             if not isinstance(layer.impl, VTokenAttentionImpl):
                 layer.impl = VTokenAttentionImpl(layer.impl, self, i)
-        log.info("vtoken: policy=%s mode=%s granularity=%s stats=%s blocks=%d x %d tokens, %d layers x %d kv heads",
-                 pol.name if pol is not None else "none", self._vt_cfg.mode, cache.granularity, list(stat_names),
-                 nb, bs, len(names), H)
+        if self._vt_rank == 0:
+            log.info("vtoken: %s; mode=%s; KV cache %d blocks x %d tokens, %d layers x %d KV heads on this rank",
+                     describe_policy(pol), self._vt_cfg.mode, nb, bs, len(names), H)
 
     @property
     def vtoken_cache(self) -> Any:
@@ -266,19 +273,45 @@ class VTokenRunnerMixin:
 
     # ------------------------------------------------------------------ per-request options
     def _vt_options(self, req_id: str) -> RequestOptions:
+        """The request's options (validated at admission by ``frontend.VTokenOptions``; a request that got
+        here anyway with bad options is served without eviction, never dropped)."""
         opts = self._vt_opts.get(req_id)
         if opts is None:
             state = self.requests.get(req_id)
             try:
                 opts = request_options(getattr(state, "sampling_params", None))
-            except ValueError as e:
-                log.warning("vtoken: request %s: %s; eviction disabled for it", req_id, e)
+            except Exception as e:
+                log.warning("request %s: %s; eviction disabled for it", req_id, e)
                 opts = RequestOptions(enabled=False)
             self._vt_opts[req_id] = opts
         return opts
 
     def _vt_eligible(self, req_id: str) -> bool:
-        return self._vt_policy is not None and req_id not in self._vt_failed and self._vt_options(req_id).enabled
+        """Eviction (and so statistics) runs for this request: a policy, not opted out, not failed."""
+        t = self._vt_driver.requests.get(req_id) if self._vt_driver is not None else None
+        return t is not None and t.evicts
+
+    def _vt_add(self, rid: str) -> None:
+        """First sight of a request: token-table entry (with its pins, clipped to the request) and its
+        policy/budget in the driver. Any error in this per-request path falls back to no eviction."""
+        cache, pol = self._vt_cache, self._vt_policy
+        opts = self._vt_options(rid)
+        use, pins, budget = (pol if pol is not None and opts.enabled else None), None, None
+        try:
+            state = self.requests[rid]
+            limit = min(int(self.max_model_len),
+                        int(state.num_prompt_tokens) + int(getattr(state.sampling_params, "max_tokens", None) or 0))
+            spans = opts.clipped_spans(limit)
+            pins = np.concatenate([np.arange(a, b) for a, b in spans]) if spans else None
+            if use is not None:
+                budget = use.budget.override(opts.budget_tokens, opts.eviction_ratio)
+        except Exception as e:
+            log.warning("request %s: options %s not applicable (%s); eviction disabled for it", rid, opts, e)
+            use, pins, budget = None, None, None
+        if cache.add_request(rid, pins) is None:
+            raise RuntimeError("vtoken: token table full (max_num_seqs exceeded)")
+        self._vt_driver.remove(rid)
+        self._vt_driver.add(rid, use, budget)
 
     # ------------------------------------------------------------------ step hooks
     def _update_states(self, scheduler_output: Any) -> Any:
@@ -286,15 +319,14 @@ class VTokenRunnerMixin:
         if cache is not None:
             cache.fence()
             for rid in scheduler_output.preempted_req_ids or ():
-                if rid in cache.table.requests:
+                if cache.has_request(rid):
                     cache.preempt(rid)  # recompute: the request comes back with num_computed_tokens = 0
             for rid in scheduler_output.finished_req_ids:
-                if rid in cache.table.requests:
+                if cache.has_request(rid):
                     cache.free(rid)
-            for rid in scheduler_output.finished_req_ids:
                 self._vt_opts.pop(rid, None)
-                self._vt_failed.pop(rid, None)
                 self._vt_n_sched.pop(rid, None)
+                self._vt_driver.remove(rid)
         return super()._update_states(scheduler_output)  # type: ignore[misc]
 
     def _prepare_inputs(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> Any:
@@ -315,26 +347,21 @@ class VTokenRunnerMixin:
         for i, rid in enumerate(req_ids):
             n = int(num_scheduled_tokens[i])
             start = int(computed[i])
-            st = cache.table.requests.get(rid)
-            if st is not None and st.logical_len != start:  # reset behind our back (recompute)
+            known = cache.has_request(rid)
+            if known and cache.logical_len(rid) != start:  # reset behind our back (recompute)
                 cache.free(rid)
-                st = None
-            if st is None:
+                known = False
+            if not known:
                 if start != 0:
                     raise RuntimeError(f"vtoken: request {rid} starts at position {start} without a token-table "
                                        "entry (prefix caching / KV transfer are not supported)")
-                opts = self._vt_options(rid)
-                pins = np.concatenate([np.arange(a, b) for a, b in opts.pinned_spans]) if opts.pinned_spans else None
-                if cache.add_request(rid, pins) is None:
-                    raise RuntimeError("vtoken: token table full (max_num_seqs exceeded)")
-                st = cache.table.requests[rid]
-            nrow = int(bt.num_blocks_per_row[i])
-            cache.pool.feed(bt.block_table.np[i, len(st.blocks):nrow])
+                self._vt_add(rid)
+            self._vt_pool.feed(bt.block_table.np[i, cache.held_blocks(rid):int(bt.num_blocks_per_row[i])])
             slots = cache.reserve(rid, n)
             if slots is None:  # ExternalPool raises instead; kept for clarity
                 raise RuntimeError(f"vtoken: no blocks for request {rid}")
             slot_np[qsl[i]:qsl[i + 1]] = slots
-            seq[i] = st.used
+            seq[i] = cache.cache_len(rid)
             if self.vtoken_trace is not None:  # tests: the key set each query of this step attends to
                 self.vtoken_trace.setdefault(rid, []).append((start, n, cache.live_view(rid)[0].copy()))
             self._vt_n_sched[rid] = n
@@ -342,8 +369,7 @@ class VTokenRunnerMixin:
         bt.slot_mapping.copy_to_gpu(total)
         self.seq_lens[:num_reqs].copy_(torch.from_numpy(seq).to(self.seq_lens.device))
         sel = [i for i, rid in enumerate(req_ids) if self._vt_eligible(rid)]
-        collect = self._vt_collector is not None and bool(self._vt_collector.attn) and bool(sel)
-        if collect:
+        if self._vt_collector is not None and self._vt_collector.attn and sel:
             md = cache.attention_metadata([req_ids[i] for i in sel])  # fences the deferred slot writes
             tok, qpos = build_step_index(qsl, self.positions[:total].cpu().numpy(), sel)
             plen = torch.as_tensor([self.requests[req_ids[i]].num_prompt_tokens for i in sel], dtype=torch.int64)
@@ -352,8 +378,8 @@ class VTokenRunnerMixin:
             cache.fence()
             self._vt_step = StepContext([], None, torch.zeros(0), torch.zeros(0), torch.zeros(0), False)
         self._vt_batch = req_ids
-        self.vtoken_counters["prepare_seconds"] += time.perf_counter() - t_in
-        self.vtoken_counters["steps"] += 1
+        self._vt_times["prepare_seconds"] += time.perf_counter() - t_in
+        self._vt_times["steps"] += 1
         return out
 
     def sample_tokens(self, grammar_output: Any) -> Any:
@@ -372,125 +398,68 @@ class VTokenRunnerMixin:
 
     # ------------------------------------------------------------------ eviction
     def _vt_after_step(self, req_ids: list[str]) -> dict[str, int]:
-        cache, pol = self._vt_cache, self._vt_policy
-        report: dict[str, int] = {}
-        if pol is None:
-            return report
-        b = pol.budget
-        cands: list[tuple[str, int]] = []
+        """The driver's step for requests whose prompt is complete, then the block-table rows (and the
+        runner's own copy of each request's block ids, used when a request re-enters the persistent
+        batch) truncated to what the scheduler keeps. Returns ``{req_id: scheduler cache length}``."""
+        cache = self._vt_cache
+        phases: dict[str, str] = {}
         for rid in req_ids:
-            if not self._vt_eligible(rid) or rid not in cache.table.requests:
+            if not self._vt_eligible(rid) or not cache.has_request(rid):
                 continue
-            st = cache.table.requests[rid]
-            seq = st.logical_len
+            seq = cache.logical_len(rid)
             plen = int(self.requests[rid].num_prompt_tokens)
             if seq < plen:
                 continue  # mid-prompt chunk: evict once the prompt is complete
-            phase = "prefill" if seq - self._vt_n_sched.get(rid, 0) < plen else "decode"
-            budget = self._vt_options(rid).budget(seq, b.resolve(seq))
-            if b.should_evict(st.num_live, seq, phase, budget):
-                cands.append((rid, budget))
-        if not cands:
-            return report
-        t0 = time.perf_counter()
-        masks = self._vt_masks(cands)
-        t1 = time.perf_counter()
-        evicted_ids = []
-        for rid, keep in masks.items():
-            try:
-                n = cache.apply_keep_mask(rid, keep)
-            except Exception as e:  # a mask policy broke the contract: only this request is affected
-                self._vt_fail(rid, e)
-                continue
-            if n:
-                evicted_ids.append(rid)
-                self.vtoken_counters["tokens_evicted"] += n
-        if evicted_ids:
-            rs = cache.reclaim(evicted_ids)
-            self.vtoken_counters["evictions"] += len(evicted_ids)
-            self.vtoken_counters["tokens_moved"] += rs.tokens_moved
-            self.vtoken_counters["blocks_freed"] += rs.blocks_freed
+            phases[rid] = "prefill" if seq - self._vt_n_sched.get(rid, 0) < plen else "decode"
+        if not phases:
+            return {}
+        step = self._vt_driver.step(list(phases), phases)
+        if self._vt_rank == 0:
+            record_step(step)
+        report: dict[str, int] = {}
+        if step.evicted:
             bt = self.input_batch.block_table[0]
             naive = self._vt_cfg.mode == "naive"
-            for rid in evicted_ids:
-                st = cache.table.requests[rid]
-                length = naive_len(st) if naive else st.used
+            for rid in step.evicted:
+                length = cache.naive_cache_len(rid) if naive else cache.cache_len(rid)
                 keep_blocks = cdiv(length, cache.block_size)
                 row = self.input_batch.req_id_to_index[rid]
                 if bt.num_blocks_per_row[row] > keep_blocks:
                     bt.num_blocks_per_row[row] = keep_blocks
+                ids = self.requests[rid].block_ids[0]
+                if len(ids) > keep_blocks:
+                    del ids[keep_blocks:]
                 report[rid] = length
             if self._vt_cfg.debug:
                 cache.fence()
                 cache.check_invariants()
-        self.vtoken_counters["policy_seconds"] += t1 - t0
-        self.vtoken_counters["reclaim_seconds"] += time.perf_counter() - t1
         return report
 
-    def _vt_fail(self, rid: str, err: BaseException) -> None:
-        self._vt_failed[rid] = f"{type(err).__name__}: {err}"
-        self.vtoken_counters["policy_failures"] += 1
-        log.warning("vtoken: policy failed for request %s (%s: %s); falling back to no eviction for it",
-                    rid, type(err).__name__, err)
 
-    def _vt_masks(self, cands: list[tuple[str, int]]) -> dict[str, np.ndarray]:
-        """Keep masks ``[R, n_live]`` per request; a batch failure is retried per request so that a
-        policy error affects only the request(s) it happens on."""
-        try:
-            return self._vt_masks_batch(cands)
-        except Exception:
-            if len(cands) == 1:
-                self._vt_fail(cands[0][0], _last_error())
-                return {}
-        out: dict[str, np.ndarray] = {}
-        for c in cands:
-            try:
-                out.update(self._vt_masks_batch([c]))
-            except Exception as e:
-                self._vt_fail(c[0], e)
-        return out
+class TPCollective:
+    """:class:`~vtoken_runtime.eviction.Collective` over vLLM's tensor-parallel group (gloo on CPU)."""
 
-    def _vt_masks_batch(self, cands: list[tuple[str, int]]) -> dict[str, np.ndarray]:
-        from vtoken_sdk.batch import StatsBatch
+    def __init__(self, group: Any) -> None:
+        self.group = group
 
-        cache, pol = self._vt_cache, self._vt_policy
-        L, H = cache.num_layers, cache.num_kv_heads
-        head = cache.granularity == "head"
-        names = tuple(sorted(pol.stored_reads))
-        views = [cache.live_view(rid) for rid, _ in cands]
-        ns = [int(v[0].shape[1]) for v in views]
-        B, N = len(cands), max(ns)
-        stats = {s: torch.zeros(B, L, H, N) for s in names}
-        pos = torch.zeros(B, L if head else 1, H if head else 1, N, dtype=torch.int64)
-        pinned = None
-        for bi, ((rid, _), (p, _), n) in enumerate(zip(cands, views, ns, strict=True)):
-            pt = torch.from_numpy(p)
-            pos[bi, ..., :n] = pt.view(L, H, n) if head else pt.view(1, 1, n)
-            if names:
-                for s, t in cache.gather_stats(rid, names).items():
-                    stats[s][bi, :, :, :n] = t
-            spans = self._vt_options(rid).pinned_spans
-            if spans:
-                if pinned is None:
-                    pinned = torch.zeros(pos.shape, dtype=torch.bool)
-                for a, e in spans:
-                    pinned[bi] |= (pos[bi] >= a) & (pos[bi] < e)
-        seq = torch.as_tensor([cache.logical_len(rid) for rid, _ in cands], dtype=torch.int64)
-        batch = StatsBatch(stats=stats, lengths=torch.as_tensor(ns, dtype=torch.int64), positions=pos, seq_lens=seq,
-                           pinned=pinned, budget=torch.as_tensor([bud for _, bud in cands], dtype=torch.int64))
-        keep = self._vt_compiled.keep_mask(batch)  # [B, L, H, N]
-        out = {}
-        for bi, (rid, _) in enumerate(cands):
-            k = keep[bi, ..., : ns[bi]]
-            out[rid] = (k.reshape(L * H, ns[bi]) if head else k[0, 0][None]).cpu().numpy().astype(bool)
-        return out
+    def gather_heads(self, t: torch.Tensor) -> torch.Tensor:
+        return self.group.all_gather(t.contiguous(), dim=2)
+
+    def any(self, flags: list[bool]) -> list[bool]:
+        if not flags:
+            return flags
+        t = torch.tensor([1.0 if f else 0.0 for f in flags], dtype=torch.float32)
+        return (self.group.all_reduce(t) > 0).tolist()
 
 
-def _last_error() -> BaseException:
-    import sys
+def _tp_collective(policy: Any) -> tuple[int, TPCollective | None]:
+    """``(tensor-parallel rank, collective or None at TP=1)``."""
+    from vllm.distributed import parallel_state
 
-    e = sys.exc_info()[1]
-    return e if e is not None else RuntimeError("unknown policy error")
+    group = parallel_state.get_tp_group()
+    if group.world_size <= 1:
+        return group.rank_in_group, None
+    return group.rank_in_group, TPCollective(group)
 
 
 def _runner_class(base: type) -> type:

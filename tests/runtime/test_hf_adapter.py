@@ -9,9 +9,10 @@ import torch
 import vtoken_policies
 import vtoken_sdk as vt
 from tests.cases import CASES, build, case_id
-from vtoken_runtime.dense_reference import dense_greedy
+from tests.oracles.dense import dense_greedy
+from vtoken_bench.models import tiny_llama, tiny_qwen2
 from vtoken_runtime.hf_adapter import HFSession
-from vtoken_runtime.models import tiny_llama, tiny_qwen2
+from vtoken_sdk.selection import select
 
 
 def _prompt(n: int, seed: int = 1) -> list[int]:
@@ -97,6 +98,85 @@ def test_failing_policy_only_affects_its_own_request(caplog) -> None:
     assert outs[0] == ref.generate(["x"], [ids], 6)[0]  # the failing request is served as if no policy ran
 
 
+# ------------------------------------------------------------------ one policy object shared by many requests
+RAISE_AT, BREAK_AT = 20, 24  # per-request budget overrides that single out one request each (keep_count)
+
+
+def _shared_policy(raise_at: int | None, break_at: int | None) -> vt.Policy:
+    """ONE mask policy for every request: pins, then the most recent tokens. It raises when a request of
+    its batch must keep ``raise_at`` tokens, and drops the pins of a request that must keep ``break_at``."""
+
+    @vt.mask_policy(budget=vt.Budget(ratio=0.5), protect=[vt.sinks(2)], granularity="head")
+    def recent(s: vt.TokenStats, ctx: vt.MaskContext):
+        b, l_, h, n = ctx.shape
+        if raise_at is not None and bool((ctx.keep_count == raise_at).any()):
+            raise RuntimeError(f"policy bug: a request keeping {raise_at} tokens")
+        score = ctx.positions.expand(b, l_, h, n).reshape(b, l_ * h, n).to(torch.float32)
+        keep = select(score, ctx.lengths, ctx.pins.reshape(b, l_ * h, n), ctx.keep_count).reshape(b, l_, h, n)
+        if break_at is not None:
+            keep = torch.where((ctx.keep_count == break_at)[:, None, None, None], keep & ~ctx.pins, keep)
+        return keep
+
+    return recent
+
+
+@pytest.mark.parametrize("failing", [("raise",), ("break", "refuse"), ("raise", "break", "refuse")],
+                         ids="+".join)
+def test_one_shared_policy_failing_for_one_request_leaves_the_others_evicting(failing: tuple[str, ...],
+                                                                              monkeypatch) -> None:
+    """Requests share ONE policy object (so one batched call); only some fail: the policy raises on one
+    ("raise"), breaks the contract on another ("break"), or the cache refuses its mask ("refuse": the
+    cache's public ``apply_keep_mask`` raises its misuse error for that request). The others, before
+    and after them in the batch, keep evicting at every step with exact outputs."""
+    model = tiny_llama()
+    bs, steps = 16, 8
+    policy = _shared_policy(RAISE_AT if "raise" in failing else None, BREAK_AT if "break" in failing else None)
+    # (request, prompt length, per-request budget, role); good requests keep >= 28 tokens, never 20 / 24
+    specs = [("a", 70, None, "good"), ("raiser", 64, RAISE_AT, "raise"), ("b", 66, 28, "good"),
+             ("broken", 62, BREAK_AT, "break"), ("refused", 72, None, "refuse"), ("c", 61, None, "good")]
+    specs = [x for x in specs if x[3] == "good" or x[3] in failing]
+    rids = [x[0] for x in specs]
+    prompts = [_prompt(n, seed=10 + i) for i, (_, n, _, _) in enumerate(specs)]
+    s = HFSession(model, block_size=bs, num_blocks=96, chunk_size=32, record_keeps=True, debug=True)
+    for r, _, budget, _ in specs:
+        s.add(r, policy, budget=budget)
+    apply = s.cache.apply_keep_mask
+
+    def refusing(req_id, keep):  # the cache refuses one request's masks (as it does a mask that drops a pin)
+        if req_id == "refused":
+            raise ValueError(f"request {req_id!r}: keep mask refused (injected by the test)")
+        return apply(req_id, keep)
+
+    monkeypatch.setattr(s.cache, "apply_keep_mask", refusing)
+
+    def check_step() -> None:
+        for r, _, budget, role in specs:
+            live, seq = s.cache.live_tokens(r), s.cache.logical_len(r)
+            assert s.cache.held_blocks(r) == -(-live // bs), r  # compacted after every eviction
+            fails = s.requests[r].failures
+            if role == "good":
+                assert not fails, (r, fails)
+                assert live == (budget if budget is not None else (seq + 1) // 2), (r, live, seq)  # 0.5, half up
+            else:
+                assert fails, f"{r} should have failed"
+                assert live == seq, f"{r} failed, so it keeps its whole cache"
+                assert {"raise": "policy bug", "break": "pinned", "refuse": "refused"}[role] in fails[0], fails
+
+    outs: list[list[int]] = [[] for _ in rids]
+    logits = s.prefill(rids, prompts)
+    for step in range(steps):
+        check_step()
+        for o, t in zip(outs, logits.argmax(-1).tolist(), strict=True):
+            o.append(int(t))
+        if step < steps - 1:
+            logits = s.decode(rids, [o[-1] for o in outs])
+    for (r, _, _, role), p, o in zip(specs, prompts, outs, strict=True):
+        log = s.requests[r].keep_log
+        if role == "good":  # ratio 0.5 evicts at every other step, a fixed budget at every step
+            assert len(log) >= steps // 2, f"{r} evicted at only {len(log)} steps"
+        assert o == dense_greedy(model, p, steps, log), f"{r}: greedy tokens differ from dense over its kept sets"
+
+
 def test_request_pins_are_honoured() -> None:
     model = tiny_llama()
     s = HFSession(model, block_size=16, num_blocks=64, stat_names=("attn_sum",), chunk_size=32)
@@ -125,7 +205,7 @@ def test_policy_needing_uncollected_stats_is_refused() -> None:
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from vtoken_runtime.models import load_smollm2
+    from vtoken_bench.models import load_smollm2
 
     return load_smollm2()
 
@@ -133,7 +213,7 @@ def smollm2():
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["h2o", "tova", "snapkv"])
 def test_smollm2_compacted_greedy_equals_dense_restricted(smollm2, name: str) -> None:
-    from vtoken_runtime.essays import essay_token_requests
+    from vtoken_bench.essays import essay_token_requests
 
     model, tok = smollm2
     prompt = essay_token_requests(tok, [384], 1, offset=5000)[0]
@@ -147,7 +227,7 @@ def test_smollm2_compacted_greedy_equals_dense_restricted(smollm2, name: str) ->
 
 @pytest.mark.slow
 def test_smollm2_passkey_with_full_cache(smollm2) -> None:
-    from vtoken_runtime.essays import build_passkey, parse_passkey
+    from vtoken_bench.essays import build_passkey, parse_passkey
 
     model, tok = smollm2
     hits = 0

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from vtoken_cli.kvpress_check import PEER_PY, PRESSES, compare
+from vtoken_bench.kvpress_check import PEER_PY, PRESSES, compare
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not PEER_PY.exists(), reason="run `make kvpress`")]
 
 
 @pytest.fixture(scope="module")
 def setup():
-    from vtoken_runtime.essays import build_passkey
-    from vtoken_runtime.models import load_smollm2, smollm2_path
+    from vtoken_bench.essays import build_passkey
+    from vtoken_bench.models import load_smollm2, smollm2_path
 
     model, tok = load_smollm2()
     return model, tok, build_passkey(tok, 400, 0.5, 48213), smollm2_path()

@@ -8,12 +8,21 @@ what was written). While a plan is in flight, I3 is checked instead: attention m
 fence must raise. Moves <= evictions is checked at every reclaim in compact mode; attention over
 the paged cache equals dense attention over the model's kept tokens at every ``attend`` step.
 
-6 parametrizations (granularity x mode) x MAX_EXAMPLES sequences; K/V layout, async copies and a
-tiny copy chunk (forcing many chunks, which the ordered-mode overlap argument depends on) are drawn.
+6 parametrizations (granularity x mode) x MAX_EXAMPLES sequences; K/V layout, async copies, the CPU copy
+path (the numba single-pass kernel or the torch gather/scatter path) and a tiny copy chunk (forcing many
+chunks of the torch path, which the ordered-mode overlap argument depends on) are drawn, and so is
+``debug`` (the runtime's own invariant checks after every operation, in about half the sequences). A
+reclaim may be followed at once by a fence and a read of every token (a fence that does not wait for the
+copies shows there). Only public API is used: the copy path is chosen through the constructor's
+``copy_path`` (or, where the constructor lacks it, the documented ``VTOKEN_CPU_COPY`` read at construction).
+
+Example counts: ``VTOKEN_SM_EXAMPLES`` (default 350: 2,100 sequences in ``make test``) for the slow test,
+``VTOKEN_SM_QUICK_EXAMPLES`` (default 60) for the quick one that the fast suite runs.
 """
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import os
 
@@ -38,7 +47,29 @@ from ._runtime_helpers import cdiv, kv_values, stat_values
 
 L, H, D, BS, NB, MAX_REQ, MAX_LEN, GQA = 2, 2, 2, 4, 12, 4, 160, 2
 MAX_EXAMPLES = int(os.environ.get("VTOKEN_SM_EXAMPLES", "350"))  # x 6 parametrizations = 2,100 sequences
+QUICK_EXAMPLES = int(os.environ.get("VTOKEN_SM_QUICK_EXAMPLES", "60"))  # x 6, the fast suite
 STEPS = int(os.environ.get("VTOKEN_SM_STEPS", "30"))
+
+
+COPY_PATHS = ("torch", "numba")
+_HAS_COPY_PATH = "copy_path" in inspect.signature(VTokenCache).parameters
+
+
+def make_cache(copy_path: str, **kw: object) -> VTokenCache:
+    """A cache whose CPU copy engine takes ``copy_path``: the ``copy_path`` constructor argument, or the
+    documented ``VTOKEN_CPU_COPY`` environment variable (read when the engine is built) where the
+    constructor does not have it yet."""
+    if _HAS_COPY_PATH:
+        return VTokenCache(L, H, D, BS, NB, copy_path=copy_path, **kw)  # type: ignore[arg-type]
+    old = os.environ.get("VTOKEN_CPU_COPY")
+    os.environ["VTOKEN_CPU_COPY"] = copy_path
+    try:
+        return VTokenCache(L, H, D, BS, NB, **kw)  # type: ignore[arg-type]
+    finally:
+        if old is None:
+            del os.environ["VTOKEN_CPU_COPY"]
+        else:
+            os.environ["VTOKEN_CPU_COPY"] = old
 
 
 class ModelRequest:
@@ -79,11 +110,17 @@ class CacheMachine(RuleBasedStateMachine):
     MODE = "compact"
 
     @initialize(layout=st.sampled_from(["generic", "vllm_cpu"]), async_copy=st.booleans(),
-                chunk=st.sampled_from([8, 64, 1 << 20]))
-    def setup(self, layout: str, async_copy: bool, chunk: int) -> None:
-        self.cache = VTokenCache(L, H, D, BS, NB, granularity=self.GRAN, mode=self.MODE, kv_layout=layout,
-                                 stat_names=("acc",), max_requests=MAX_REQ, async_copy=async_copy, debug=True,
-                                 copy_chunk_bytes=chunk)
+                chunk=st.sampled_from([8, 64, 1 << 20]), copy_path=st.sampled_from(COPY_PATHS),
+                debug=st.booleans())
+    def setup(self, layout: str, async_copy: bool, chunk: int, copy_path: str, debug: bool) -> None:
+        # debug: the runtime's own checks after every operation. Drawn, not always on: they run right
+        # after a plan is submitted and give the copy worker time to land it, which hides a fence that
+        # does not wait (measured: with debug always on such a race needed ~2x the examples to show).
+        self.cache = make_cache(copy_path, granularity=self.GRAN, mode=self.MODE, kv_layout=layout,
+                                stat_names=("acc",), max_requests=MAX_REQ, async_copy=async_copy, debug=debug,
+                                copy_chunk_bytes=chunk)
+        self.async_copy = async_copy
+        self.plan_pending = False  # the model's view: a reclaim submitted moves and nothing fenced since
         self.R = self.cache.num_rows
         self.model: dict[str, ModelRequest] = {}
         self.uids = itertools.count(1)
@@ -127,6 +164,12 @@ class CacheMachine(RuleBasedStateMachine):
         if m.logical_len + n > MAX_LEN:
             return
         c = self.cache
+        if c.cache_len(rid) + n > NB * BS:  # past the block table (max_blocks_per_request = NB): misuse
+            before = (c.cache_len(rid), c.logical_len(rid), c.held_blocks(rid), c.num_free_blocks)
+            with pytest.raises(ValueError):
+                c.reserve(rid, n)
+            assert (c.cache_len(rid), c.logical_len(rid), c.held_blocks(rid), c.num_free_blocks) == before
+            return
         need = cdiv(c.cache_len(rid) + n, BS) - c.held_blocks(rid)
         free_before = c.num_free_blocks
         slots = c.reserve(rid, n)
@@ -146,10 +189,12 @@ class CacheMachine(RuleBasedStateMachine):
                 c.write_kv(layer, rid, k[cut:], v[cut:], offset=cut)
             acc = c.stats_tensor("acc")
             acc[layer][:, torch.as_tensor(slots)] = stat_values(m.uid, layer, H, pos)
+        self.plan_pending = False  # write_kv / stats_tensor fence
 
     @precondition(lambda self: any(m.live.shape[1] and m.live[0].any() for m in self.model.values()))
-    @rule(data=st.data(), seed=st.integers(0, 2**32 - 1), try_bad=st.booleans(), then_reclaim=st.booleans())
-    def evict(self, data: st.DataObject, seed: int, try_bad: bool, then_reclaim: bool) -> None:
+    @rule(data=st.data(), seed=st.integers(0, 2**32 - 1), try_bad=st.booleans(), then_reclaim=st.booleans(),
+          read_now=st.booleans())
+    def evict(self, data: st.DataObject, seed: int, try_bad: bool, then_reclaim: bool, read_now: bool) -> None:
         """A policy decision (random keep mask respecting pins), optionally reclaimed right away."""
         rid = data.draw(st.sampled_from(sorted(r for r, m in self.model.items() if m.live[0].any())))
         m, c = self.model[rid], self.cache
@@ -181,18 +226,25 @@ class CacheMachine(RuleBasedStateMachine):
         m.live[rows, pos[rows, cols]] = False
         m.dirty = m.dirty or evicted > 0
         if then_reclaim:
-            self._reclaim(None)
+            self._reclaim(None, read_now)
 
     @precondition(lambda self: self.model)
-    @rule(data=st.data(), subset=st.booleans())
-    def reclaim(self, data: st.DataObject, subset: bool) -> None:
-        self._reclaim(sorted(data.draw(st.sets(st.sampled_from(sorted(self.model)), min_size=1))) if subset else None)
+    @rule(data=st.data(), subset=st.booleans(), read_now=st.booleans())
+    def reclaim(self, data: st.DataObject, subset: bool, read_now: bool) -> None:
+        ids = sorted(data.draw(st.sets(st.sampled_from(sorted(self.model)), min_size=1))) if subset else None
+        self._reclaim(ids, read_now)
 
-    def _reclaim(self, ids: list[str] | None) -> None:
+    def _reclaim(self, ids: list[str] | None, read_now: bool = False) -> None:
+        """Reclaim; ``read_now``: fence and read the moved tokens at once (the fence must wait for the copies)."""
         c = self.cache
         targets = [r for r in (ids or self.model) if self.model[r].dirty]
         moved_before = c.tokens_moved_total
-        stats = c.reclaim(ids)
+        stats = c.reclaim(ids)  # fences the previous plan, submits this one's moves
+        self.plan_pending = self.async_copy and stats.tokens_moved > 0
+        if read_now:  # e.g. the next attention: right behind the copies
+            c.fence()
+            self.plan_pending = False
+            self._check_tokens(sorted(self.model))
         assert stats.requests == len(targets)
         assert c.tokens_moved_total - moved_before == stats.tokens_moved
         if self.MODE == "compact":
@@ -210,6 +262,7 @@ class CacheMachine(RuleBasedStateMachine):
     @rule()
     def fence(self) -> None:
         self.cache.fence()
+        self.plan_pending = False
         assert not self.cache.in_flight
 
     @precondition(lambda self: any(m.live.shape[1] and m.live[0].any() for m in self.model.values()))
@@ -219,7 +272,8 @@ class CacheMachine(RuleBasedStateMachine):
         cand = sorted(r for r, m in self.model.items() if m.live[0].any())
         ids = sorted(data.draw(st.sets(st.sampled_from(cand), min_size=1, max_size=2)))
         c = self.cache
-        md = c.attention_metadata(ids)  # compact/ordered: reclaims requests with holes first
+        md = c.attention_metadata(ids)  # compact/ordered: reclaims requests with holes first; fences
+        self.plan_pending = False
         if self.MODE != "naive":
             for r in ids:
                 if self.model[r].dirty:
@@ -277,6 +331,20 @@ class CacheMachine(RuleBasedStateMachine):
                     c.attention_metadata(sorted(self.model)[:1], fence=False)
 
     # ------------------------------------------------------------------ invariants
+    def _check_tokens(self, rids: list[str]) -> None:
+        """I1: K/V bytes, stats and true positions of every live token equal what was written."""
+        c = self.cache
+        for rid in rids:
+            m = self.model[rid]
+            stats = c.gather_stats(rid, ["acc"])["acc"]
+            for layer in range(L):
+                kpos, k, v = c.gather_kv(layer, rid)
+                for h in range(H):
+                    p = kpos[h if kpos.shape[0] > 1 else 0].numpy()
+                    ek, ev = kv_values(m.uid, layer, H, p, D)
+                    assert torch.equal(k[h], ek[:, h]) and torch.equal(v[h], ev[:, h]), f"I1 K/V {rid} l{layer} h{h}"
+                    assert torch.equal(stats[layer, h], stat_values(m.uid, layer, H, p)[h]), f"I1 stats {rid}"
+
     @invariant()
     def invariants(self) -> None:
         if not hasattr(self, "cache"):
@@ -298,37 +366,33 @@ class CacheMachine(RuleBasedStateMachine):
             elif not m.dirty:
                 assert c.held_blocks(rid) == cdiv(pos.shape[1], BS) <= len(m.naive_blocks)
                 assert c.cache_len(rid) == pos.shape[1]
-        if c.engine.in_flight:
-            if self.model:  # I3: nobody may read the cache before the fence
-                with pytest.raises(RuntimeError, match="I3 violated"):
-                    c.attention_metadata(sorted(self.model)[:1], fence=False)
-            return
+        if c.in_flight and self.model:  # I3: nobody may read the cache before the fence
+            with pytest.raises(RuntimeError, match="I3 violated"):
+                c.attention_metadata(sorted(self.model)[:1], fence=False)
+        if self.plan_pending and c.in_flight:
+            return  # keep the plan in flight: the next rules interleave with it
         c.fence()  # only deferred slot writes pending: no plan interleaving is lost
-        for rid, m in self.model.items():  # I1: bytes, stats and positions of every live token
-            stats = c.gather_stats(rid, ["acc"])["acc"]
-            for layer in range(L):
-                kpos, k, v = c.gather_kv(layer, rid)
-                for h in range(H):
-                    p = kpos[h if kpos.shape[0] > 1 else 0].numpy()
-                    ek, ev = kv_values(m.uid, layer, H, p, D)
-                    assert torch.equal(k[h], ek[:, h]) and torch.equal(v[h], ev[:, h]), f"I1 K/V {rid} l{layer} h{h}"
-                    assert torch.equal(stats[layer, h], stat_values(m.uid, layer, H, p)[h]), f"I1 stats {rid}"
-            st_ = c.table.get(rid)
-            _, vs = c.live_view(rid)
-            phys = st_.phys(vs)
-            store = c.store.positions
-            assert (store[torch.arange(self.R)[:, None], torch.as_tensor(phys)].numpy() == pos_of(c, rid)).all()
-            dead = ~st_.live[:, : st_.used]
-            if dead.any():  # naive holes: never attended
-                r_, v_ = np.nonzero(dead)
-                assert (store[torch.as_tensor(r_), torch.as_tensor(st_.phys(v_))] == -1).all()
+        self._check_tokens(sorted(self.model))
+        if not self.model:
+            return
+        # true position per physical slot (key_positions) at the live slots, -1 at the dead ones (holes:
+        # never attended); physical slots from the block tables the attention kernels read
+        ids = sorted(self.model)
+        md = c.attention_metadata(ids, reclaim_holes=False)  # fenced above: changes nothing
+        bt = md.block_tables.numpy().astype(np.int64)
+        for b, rid in enumerate(ids):
+            pos, vs = c.live_view(rid)
+            used = c.cache_len(rid)
+            for r in range(self.R):
+                dead = np.setdiff1d(np.arange(used), vs[r])
+                for layer in ([r // H] if self.R > 1 else range(L)):
+                    kp = c.key_positions(layer)[r % H if self.R > 1 else 0].numpy()
+                    assert (kp[bt[b, vs[r] // BS] * BS + vs[r] % BS] == pos[r]).all(), f"positions {rid} row {r}"
+                    assert (kp[bt[b, dead // BS] * BS + dead % BS] == -1).all(), f"dead slots {rid} row {r}"
 
 
-def pos_of(c: VTokenCache, rid: str) -> np.ndarray:
-    return c.live_view(rid)[0]
-
-
-SETTINGS = settings(max_examples=MAX_EXAMPLES, stateful_step_count=STEPS, deadline=None,
+# report_multiple_bugs=False: a planted bug breaks several checks at once; shrinking one of them is enough
+SETTINGS = settings(max_examples=MAX_EXAMPLES, stateful_step_count=STEPS, deadline=None, report_multiple_bugs=False,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
 
@@ -345,4 +409,4 @@ def test_cache_state_machine(granularity: str, mode: str) -> None:
 def test_cache_state_machine_quick(granularity: str, mode: str) -> None:
     """A short run of the same machine for the fast suite (`-m "not slow"`)."""
     machine = type(f"Quick_{granularity}_{mode}", (CacheMachine,), {"GRAN": granularity, "MODE": mode})
-    run_state_machine_as_test(machine, settings=settings(SETTINGS, max_examples=15))
+    run_state_machine_as_test(machine, settings=settings(SETTINGS, max_examples=QUICK_EXAMPLES))

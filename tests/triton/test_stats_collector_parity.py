@@ -9,7 +9,8 @@ import torch
 
 from vtoken_runtime.cache import VTokenCache
 from vtoken_runtime.kernels.attn_stats_ref import STAT_NAMES
-from vtoken_runtime.stats_collector import update_attention_stats
+from vtoken_runtime.stats import StatsCollector
+from vtoken_sdk import StatsConfig
 
 pytestmark = [pytest.mark.triton, pytest.mark.filterwarnings("ignore::RuntimeWarning")]
 
@@ -22,7 +23,9 @@ def test_kernel_matches_stats_collector_over_steps(granularity: str) -> None:
     L, H, G, D, bs = 1, 2, 3, 16, 4
     cache = VTokenCache(L, H, D, bs, num_blocks=24, granularity=granularity, mode="compact",
                         stat_names=STAT_NAMES, async_copy=False)
-    mirror = {n: cache.store.tensor(n)[0].clone() for n in STAT_NAMES}
+    mirror = {n: cache.stats_tensor(n)[0].clone() for n in STAT_NAMES}
+    col = StatsCollector(cache, STAT_NAMES, StatsConfig(obs_window=2, history_window=4), G)
+    prompt = torch.tensor([8, 6])  # the window lands on the prompt's last 2 queries, across steps 0-2
     reqs = ["a", "b"]
     for r in reqs:
         cache.add_request(r)
@@ -41,12 +44,12 @@ def test_kernel_matches_stats_collector_over_steps(granularity: str) -> None:
         query_pos = torch.tensor([p + [-1] * (Q - len(p)) for p in qpos])
         query = torch.randn(len(reqs), Q, H * G, D)
         md = cache.attention_metadata(reqs)
-        _, probs = cache.attention(0, query, md, query_pos, return_probs=True)
-        update_attention_stats(cache, 0, md, probs, query_pos, G, obs_window=2, history_window=4)
+        col.attention(0, query, md, query_pos, prompt)
         update_attn_stats(query, cache.key_cache(0), md.block_tables, md.cache_lens, query_pos,
-                          cache.key_positions(0), mirror, obs_window=2, history_window=4, block_n=16)
+                          cache.key_positions(0), mirror, obs_window=2, history_window=4, prompt_lens=prompt,
+                          block_n=16)
         for n in STAT_NAMES:
-            torch.testing.assert_close(mirror[n], cache.store.tensor(n)[0], atol=2e-6, rtol=1e-5,
+            torch.testing.assert_close(mirror[n], cache.stats_tensor(n)[0], atol=2e-6, rtol=1e-5,
                                        msg=lambda m, n=n, s=step: f"step {s} {n}: {m}")
         if step == 2:  # evict some tokens and reclaim: stats move with their tokens (mirror them too)
             for r in reqs:
@@ -57,4 +60,4 @@ def test_kernel_matches_stats_collector_over_steps(granularity: str) -> None:
             cache.reclaim(reqs)
             cache.fence()
             for n in STAT_NAMES:
-                mirror[n].copy_(cache.store.tensor(n)[0])
+                mirror[n].copy_(cache.stats_tensor(n)[0])

@@ -21,7 +21,7 @@ def set_env() -> None:
 
 def make_tiny_model(path: Path, seed: int = 0) -> Path:
     """A tiny random Llama vLLM's CPU backend accepts (head size 32, GQA 4:2, 2 layers, vocab 512)."""
-    from vtoken_runtime.models import tiny_llama
+    from vtoken_bench.models import tiny_llama
 
     if (path / "config.json").exists():
         return path

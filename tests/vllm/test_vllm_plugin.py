@@ -56,6 +56,18 @@ def _check_replay(model: Path, trace: dict, ps: list[list[int]], outs: list[list
                         f"request {rid}: token {t} differs from the HF replay of its kept sets")
 
 
+def _expected_live(trace: list, prompt_len: int, budget) -> list[int]:
+    """Live tokens each recorded step attends (its own tokens included): the whole prefix while the prompt
+    is incomplete (no eviction mid-prompt), then what the previous step's eviction left, ``budget(s)`` for
+    ``s`` processed tokens, plus the step's new tokens."""
+    return [s + n if s < prompt_len else budget(s) + n for s, n, _ in trace]
+
+
+def _half_up(s: int) -> int:
+    """Budget(ratio=0.5) of ``s`` processed tokens: round half up, floor(s / 2 + 1/2)."""
+    return (s + 1) // 2
+
+
 def _watch_blocks(llm, naive: bool) -> list[str]:
     """Check after every scheduler step: held blocks == ceil(live / bs) (compact) or == the naive
     shadow count (naive mode). Returns the list of violations (empty = exact)."""
@@ -130,8 +142,10 @@ def test_per_request_options_and_mixed_batch(tiny: Path) -> None:
     for _, _, pos in tr[rids[1]]:
         for r in range(pos.shape[0]):
             assert set(range(10, 40)) <= set(pos[r].tolist())
-    # budget override: after eviction the live count returns to exactly 50 (+ the step's new token)
-    assert max(pos.shape[1] for s, n, pos in tr[rids[2]][1:]) <= 51
+    # budget override: after eviction the live count returns to exactly 50 (+ the step's new token); the
+    # default request follows h2o's ratio 0.5 exactly (its 4 + 32 pins stay under the budget)
+    assert [pos.shape[1] for _, _, pos in tr[rids[2]]] == _expected_live(tr[rids[2]], 120, lambda s: 50)
+    assert [pos.shape[1] for _, _, pos in tr[rids[3]]] == _expected_live(tr[rids[3]], 90, _half_up)
     _check_replay(tiny, tr, ps, outs, rids)
 
 
@@ -161,6 +175,45 @@ def test_policy_error_fails_only_its_request(tiny: Path, tmp_path: Path) -> None
     assert run.vtoken_counters["policy_failures"] == 1  # only the long request failed
     assert tr[rids[1]][-1][2].shape[1] == 160 + 19  # fell back to no eviction
     assert tr[rids[0]][-1][2].shape[1] < 100  # the others kept evicting
+    _check_replay(tiny, tr, ps, outs, rids)
+
+
+def test_one_policy_failing_for_two_requests_leaves_the_others_evicting(tiny: Path, tmp_path: Path) -> None:
+    """The engine's one policy raises on one request (it must keep 40 tokens) and breaks the contract on
+    another (it must keep 44: its pins are dropped), both before other requests in the batch; only those
+    two fall back to no eviction, the others evict exactly to their budgets with exact outputs."""
+    f = tmp_path / "picky.py"
+    f.write_text(textwrap.dedent('''
+        import torch
+        import vtoken_sdk as vt
+        from vtoken_sdk.selection import select
+
+        @vt.mask_policy(budget=vt.Budget(ratio=0.5), protect=[vt.sinks(4)], granularity="head")
+        def picky(s, ctx):
+            b, l, h, n = ctx.shape
+            if bool((ctx.keep_count == 40).any()):
+                raise RuntimeError("picky policy: a request keeping 40 tokens")
+            score = ctx.positions.expand(b, l, h, n).reshape(b, l * h, n).to(torch.float32)
+            keep = select(score, ctx.lengths, ctx.pins.reshape(b, l * h, n), ctx.keep_count).reshape(b, l, h, n)
+            return torch.where((ctx.keep_count == 44)[:, None, None, None], keep & ~ctx.pins, keep)
+    '''))
+    llm = engine(tiny, {"policy": str(f), "debug": True})
+    run = runner(llm)
+    run.vtoken_trace = {}
+    lengths = [100, 110, 120, 90, 130]
+    budgets = [None, 40, 48, 44, None]  # ratio 0.5 keeps >= 50 of >= 100 tokens: never 40 or 44
+    ps = prompts(lengths, seed=6)
+    outs = generate(llm, ps, 24, extra=[None if b is None else {"budget_tokens": b} for b in budgets])
+    assert all(len(o) == 24 for o in outs)
+    tr = run.vtoken_trace
+    rids = _rid_order(tr)
+    assert run.vtoken_counters["policy_failures"] == 2
+    for rid, plen, b in zip(rids, lengths, budgets, strict=True):
+        live = [pos.shape[1] for _, _, pos in tr[rid]]
+        if b in (40, 44):  # failed: attends its whole prefix at every step
+            assert live == [s + n for s, n, _ in tr[rid]], rid
+        else:
+            assert live == _expected_live(tr[rid], plen, _half_up if b is None else (lambda s, b=b: b)), rid
     _check_replay(tiny, tr, ps, outs, rids)
 
 

@@ -31,8 +31,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 def smol() -> tuple[str, list[list[int]]]:
     from transformers import AutoTokenizer
 
-    from vtoken_runtime.essays import essay_token_requests
-    from vtoken_runtime.models import smollm2_path
+    from vtoken_bench.essays import essay_token_requests
+    from vtoken_bench.models import smollm2_path
 
     path = str(smollm2_path())
     tok = AutoTokenizer.from_pretrained(path)
@@ -96,8 +96,8 @@ def test_smollm2_matches_the_hf_adapter(smol: tuple[str, list[list[int]]], polic
     import numpy as np
 
     import vtoken_policies
+    from vtoken_bench.models import load_smollm2
     from vtoken_runtime.hf_adapter import HFSession
-    from vtoken_runtime.models import load_smollm2
 
     path, ps = smol
     prompt = ps[0]

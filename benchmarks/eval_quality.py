@@ -3,9 +3,12 @@
 Every configuration (full cache, or a policy at an eviction ratio) shares one prefill per
 prompt and then runs as its own request in one batch:
 
-- **perplexity**: an essay window of ``context`` tokens is prefilled and evicted, then the
-  next ``continuation`` tokens are teacher-forced one at a time (evicting after every step
-  when the policy's budget says so); the loss of each true next token is accumulated.
+- **perplexity**, two protocols over the same windows: an essay window of ``context`` tokens is
+  prefilled and evicted, then the next ``continuation`` tokens are scored
+  ``once`` (as kvpress measures): evicting once after the context, the continuation is
+  teacher-forced in one forward with no further eviction (``perplexity_once``);
+  ``decode`` (serving): teacher-forced one token at a time, evicting after every step when the
+  policy's budget says so (``perplexity_decode``; also ``perplexity``, the same figure).
 - **passkey**: "The pass key is N" hidden at a relative depth of an essay prompt.
   ``in_prompt``: the question is part of the prompt, evicted with it (serving);
   ``after_eviction``: the context alone is prefilled and evicted, then the question is fed
@@ -43,10 +46,10 @@ def _configs(policies: tuple[str, ...], ratios: tuple[float, ...]) -> list[Confi
 def _session(model: Any, configs: list[Config], pols: dict[str, Any], tokens: int) -> Any:
     from vtoken_runtime.hf_adapter import HFSession
 
-    need = (len(configs) + 1) * (-(-tokens // 16) + 2) + 8
-    return HFSession(model, block_size=16, num_blocks=need, granularity="head",
-                     stat_names=stat_union([p for p in pols.values() if p is not None]),
-                     max_requests=len(configs) + 2)
+    need = (2 * len(configs) + 1) * (-(-tokens // 16) + 2) + 8  # base + configs + their "once" forks
+    used = [p for p in pols.values() if p is not None]  # claimed up front: the shared prefill collects for all
+    return HFSession(model, block_size=16, num_blocks=need, granularity="head", stat_names=stat_union(used),
+                     max_requests=2 * len(configs) + 2, policies=used)
 
 
 def _fork_all(s: Any, configs: list[Config], pols: dict[str, Any]) -> list[str]:
@@ -61,7 +64,7 @@ def run_eval(policies: tuple[str, ...] = ALL_POLICIES, ratios: tuple[float, ...]
              context: int = 2048, continuation: int = 256, ppl_requests: int = 2,
              passkey_lengths: tuple[int, ...] = (2048,), depths: tuple[float, ...] = (0.1, 0.5, 0.9),
              answer_tokens: int = 8, progress: Any = None) -> dict[str, Any]:
-    from vtoken_runtime.essays import build_passkey, essay_token_requests, parse_passkey
+    from vtoken_bench.essays import build_passkey, essay_token_requests, parse_passkey
 
     setup_torch()
     t0 = time.perf_counter()
@@ -71,6 +74,7 @@ def run_eval(policies: tuple[str, ...] = ALL_POLICIES, ratios: tuple[float, ...]
     n_pk = len(passkey_lengths) * len(depths) * 2
     task = progress.add_task("eval", total=ppl_requests + n_pk) if progress is not None else None
     nll: dict[str, list[float]] = {c.key: [] for c in configs}
+    nll_once: dict[str, list[float]] = {c.key: [] for c in configs}
     groups = ratio_groups(configs)
     # held-out windows: start far from the bench's windows (offset) so eval text is not the bench text
     windows = essay_token_requests(tok, [context + continuation], ppl_requests, offset=60_000)
@@ -81,6 +85,18 @@ def run_eval(policies: tuple[str, ...] = ALL_POLICIES, ratios: tuple[float, ...]
         keys = _fork_all(s, configs, pols)
         s.evict(keys, "prefill")
         logits = logits.expand(len(keys), -1)
+        # protocol "once": the whole continuation in one forward of each evicted request, then dropped
+        once = [f"{k}#once" for k in keys]
+        for k, o in zip(keys, once, strict=True):
+            s.fork(k, o, None)
+        cont = w[context: context + continuation]
+        rest = s.forward(once, [cont[:-1]] * len(once), all_logits=True) if continuation > 1 else None
+        allp = torch.log_softmax(torch.cat([logits[:, None], rest], 1) if rest is not None else logits[:, None], -1)
+        tgt = torch.as_tensor(cont)
+        for k, row in zip(keys, allp, strict=True):
+            nll_once[k].extend((-row[torch.arange(len(cont)), tgt]).tolist())
+        for o in once:
+            s.free(o)
         for t in range(continuation):
             target = w[context + t]
             lp = torch.log_softmax(logits, dim=-1)[:, target]
@@ -125,9 +141,12 @@ def run_eval(policies: tuple[str, ...] = ALL_POLICIES, ratios: tuple[float, ...]
     rows = []
     for c in configs:
         n = nll[c.key]
+        n1 = nll_once[c.key]
+        ppl = round(float(torch.tensor(n).mean().exp()), 3) if n else None
         rows.append({
             "policy": c.policy, "eviction_ratio": c.eviction_ratio,
-            "perplexity": round(float(torch.tensor(n).mean().exp()), 3) if n else None,
+            "perplexity": ppl, "perplexity_decode": ppl,
+            "perplexity_once": round(float(torch.tensor(n1).mean().exp()), 3) if n1 else None,
             "passkey_in_prompt": round(sum(passkey[c.key]["in_prompt"]) / max(1, len(passkey[c.key]["in_prompt"])), 3),
             "passkey_after_eviction": round(sum(passkey[c.key]["after_eviction"])
                                             / max(1, len(passkey[c.key]["after_eviction"])), 3),
@@ -154,7 +173,7 @@ def plot_eval(result: dict[str, Any], path: Path) -> None:
     axes[0].axhline(full["perplexity"], color="k", ls="--", label="full cache")
     axes[1].axhline(full["passkey_in_prompt"], color="k", ls="--", label="full cache")
     axes[0].set_xlabel("eviction ratio")
-    axes[0].set_ylabel("perplexity (continuation after eviction)")
+    axes[0].set_ylabel("perplexity (protocol: decode, evicting every step)")
     axes[1].set_xlabel("eviction ratio")
     axes[1].set_ylabel("passkey accuracy (question in prompt)")
     axes[0].legend(fontsize=7)

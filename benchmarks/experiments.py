@@ -16,8 +16,9 @@ from typing import Any
 
 import torch
 
+from vtoken_bench import ALL_POLICIES  # noqa: F401 (re-exported)
+
 PAPER_POLICIES = ("h2o", "scissorhands", "random")
-ALL_POLICIES = ("h2o", "scissorhands", "random", "streaming_llm", "snapkv", "tova", "knorm")
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ def setup_torch() -> None:
 
 
 def load_model() -> tuple[Any, Any]:
-    from vtoken_runtime.models import load_smollm2
+    from vtoken_bench.models import load_smollm2
 
     return load_smollm2()
 

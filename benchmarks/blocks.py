@@ -37,7 +37,7 @@ from .experiments import (  # noqa: F401 (write_json: re-exported for the CLI)
 def run_blocks(policies: tuple[str, ...] = ALL_POLICIES, ratios: tuple[float, ...] = (0.3, 0.5, 0.7),
                block_sizes: tuple[int, ...] = (16, 32, 48), lengths: tuple[int, ...] = (1024, 2048, 4096),
                requests_per_length: int = 1, decode: int = 256, progress: Any = None) -> dict[str, Any]:
-    from vtoken_runtime.essays import essay_token_requests
+    from vtoken_bench.essays import essay_token_requests
     from vtoken_runtime.hf_adapter import HFSession
 
     setup_torch()
@@ -57,7 +57,8 @@ def run_blocks(policies: tuple[str, ...] = ALL_POLICIES, ratios: tuple[float, ..
             n_req += 1
             need = (len(configs) + 1) * (-(-(length + decode) // bs0) + 2) + 8
             s = HFSession(model, block_size=bs0, num_blocks=need, granularity="head", stat_names=stat_names,
-                          shadow_block_sizes=shadows, max_requests=len(configs) + 2)
+                          shadow_block_sizes=shadows, max_requests=len(configs) + 2,
+                          policies=list(pols.values()))  # the shared prefill collects with their parameters
             s.add("base", None)
             logits = s.prefill(["base"], [prompt], evict=False)
             keys = [c.key for c in configs]

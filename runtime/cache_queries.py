@@ -1,0 +1,145 @@
+"""Read-only queries of a :class:`~vtoken_runtime.cache.VTokenCache` (mixed into it): views of the K/V
+caches, the logical view of a request, its statistics, reporting figures and the invariant check.
+Nothing here changes bookkeeping; reads of tensors fence first (I3)."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from .block_pool import BlockPool
+    from .slot_stats import SlotStore
+    from .token_table import TokenTable
+
+ReqId = Hashable
+
+
+class CacheQueries:
+    """Queries over the cache's table, store and K/V views (attributes set by ``VTokenCache``)."""
+
+    table: TokenTable
+    store: SlotStore
+    pool: BlockPool
+    _kv: list[tuple[torch.Tensor, torch.Tensor]]
+    num_layers: int
+    num_kv_heads: int
+    num_rows: int
+    block_size: int
+    mode: str
+    debug: bool
+    device: torch.device
+
+    def fence(self) -> None:  # provided by VTokenCache
+        raise NotImplementedError
+
+    def key_cache(self, layer: int) -> torch.Tensor:
+        """``[num_blocks, block_size, H_kv, D]`` view of layer ``layer``'s keys (any strides)."""
+        return self._kv[layer][0]
+
+    def value_cache(self, layer: int) -> torch.Tensor:
+        return self._kv[layer][1]
+
+    def key_positions(self, layer: int) -> torch.Tensor:
+        """``[H_kv or 1, num_slots]`` int64 true position per physical slot (-1 = empty/evicted)."""
+        return self.store.layer_positions(layer)
+
+    def gather_kv(self, layer: int, req_id: ReqId) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Live K/V of a request in logical order: ``(positions [H_kv or 1, n], k [H_kv, n, D], v [H_kv, n, D])``."""
+        self._check_layer(layer)
+        pos, phys = self.live_slots(req_id)
+        H, bs = self.num_kv_heads, self.block_size
+        kc, vc = self._kv[layer]
+        if self.num_rows == 1:
+            s = torch.as_tensor(phys[0], device=self.device)
+            return (torch.as_tensor(pos, device=self.device), kc[s // bs, s % bs].permute(1, 0, 2),
+                    vc[s // bs, s % bs].permute(1, 0, 2))
+        s = torch.as_tensor(phys[layer * H:(layer + 1) * H], device=self.device)  # [H, n]
+        h = torch.arange(H, device=self.device)[:, None].expand_as(s)
+        return (torch.as_tensor(pos[layer * H:(layer + 1) * H], device=self.device),
+                kc[s // bs, s % bs, h], vc[s // bs, s % bs, h])
+
+    def live_view(self, req_id: ReqId) -> tuple[np.ndarray, np.ndarray]:
+        """``(positions [R, n_live] int64 ascending per row, vslots [R, n_live] int64)``: what policies see."""
+        return self.table.live_view(self.table.get(req_id))
+
+    def live_slots(self, req_id: ReqId) -> tuple[np.ndarray, np.ndarray]:
+        """``(positions [R, n_live], physical slots [R, n_live])`` in :meth:`live_view` order (fences)."""
+        st = self.table.get(req_id)
+        self.fence()
+        pos, vs = self.table.live_view(st)
+        return pos, st.phys(vs)
+
+    def stats_tensor(self, name: str) -> torch.Tensor:
+        """In-place store ``[L, H_kv, num_slots]`` float32 for stat ``name`` (fences first)."""
+        self.fence()
+        return self.store.tensor(name)
+
+    def gather_stats(self, req_id: ReqId, names: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
+        """Per-slot stats of a request's live tokens in logical order: name -> ``[L, H_kv, n_live]``.
+        At head granularity row (l, h) follows that row's own :meth:`live_view` order."""
+        _, phys = self.live_slots(req_id)
+        names = self.store.stat_names if names is None else names
+        return self.store.gather(names, torch.as_tensor(phys, device=self.device))
+
+    def has_request(self, req_id: ReqId) -> bool:
+        return req_id in self.table.requests
+
+    def held_blocks(self, req_id: ReqId) -> int:
+        return len(self.table.get(req_id).blocks)
+
+    def live_tokens(self, req_id: ReqId) -> int:
+        """Live tokens per row (equal in every row)."""
+        return self.table.get(req_id).num_live
+
+    def logical_len(self, req_id: ReqId) -> int:
+        """True sequence length (positions handed out; never decreases)."""
+        return self.table.get(req_id).logical_len
+
+    def cache_len(self, req_id: ReqId) -> int:
+        """Virtual slots in use (live + holes); == live_tokens after a compact/ordered reclaim."""
+        return self.table.get(req_id).used
+
+    def naive_held_blocks(self, req_id: ReqId) -> int:
+        """Blocks Naive-Evict would hold with the same decisions (shadow figure in every mode)."""
+        return len(self.table.get(req_id).naive_starts)
+
+    def naive_cache_len(self, req_id: ReqId) -> int:
+        """Cache length under the naive rule: slots of the naive layout (full blocks + open tail)."""
+        st = self.table.get(req_id)
+        return (len(st.naive_counts) - 1) * self.block_size + int(st.naive_counts[-1]) if st.naive_counts else 0
+
+    def tokens_moved(self, req_id: ReqId) -> int:
+        return self.table.get(req_id).tokens_moved
+
+    def evicted_since_reclaim(self, req_id: ReqId) -> int:
+        return self.table.get(req_id).evicted_since_reclaim
+
+    def pinned_positions(self, req_id: ReqId) -> np.ndarray:
+        """Sorted unique pinned true positions of a request."""
+        return self.table.get(req_id).pinned
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def request_ids(self) -> list[ReqId]:
+        return list(self.table.requests)
+
+    def check_invariants(self) -> None:
+        """Full bookkeeping check (POOL, I2, I3 mirror, PINS, mode-specific block counts). O(tokens)."""
+        self.pool.check(held=[b for st in self.table.requests.values() for b in st.blocks])
+        for st in self.table.requests.values():
+            self.table.check_request(st, self.mode)
+
+    def _check(self) -> None:
+        if self.debug:
+            self.check_invariants()
+
+    def _check_layer(self, layer: int) -> None:
+        if not (0 <= layer < self.num_layers):
+            raise ValueError(f"layer {layer} out of range [0, {self.num_layers})")

@@ -1,0 +1,15 @@
+"""The statistics catalog's collectors (torch reference) for the runtime.
+
+``vtoken_sdk.stats.CATALOG`` says what each statistic means (one meaning everywhere); this package
+computes it: :mod:`.reference` holds the update rules as tensor math (the ground truth the Triton
+kernel is tested against), :mod:`.collector` applies them to a :class:`~vtoken_runtime.cache.VTokenCache`
+for one layer and one step. Both adapters (HF, vLLM) use the same collector.
+"""
+
+from __future__ import annotations
+
+from .collector import StatsCollector
+from .reference import ATTENTION_STATS, KV_STATS, fold, needs_probs, step_contributions, visibility
+
+__all__ = ["ATTENTION_STATS", "KV_STATS", "StatsCollector", "fold", "needs_probs", "step_contributions",
+           "visibility"]

@@ -1,0 +1,72 @@
+"""One collector for every adapter: writes the statistics a policy reads into the cache's slot store.
+
+    write_norms(layer, slots, k, v)            when K/V of new tokens are cached: key_norm / value_norm
+    fold_probs(layer, md, probs, qpos, plen)   after attention, with its probabilities (HF: the same pass)
+    attention(layer, q, md, qpos, plen, scale) recompute the probabilities over the paged cache first
+                                               (vLLM: its kernels do not return them)
+
+Only the statistics in ``stat_names`` are collected; the rules are :mod:`.reference`'s.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from vtoken_sdk.stats import StatsConfig
+
+from ..token_table import slot_index
+from .reference import ATTENTION_STATS, KV_STATS, fold, step_contributions, visibility
+
+
+class StatsCollector:
+    """Collects into ``cache`` (a :class:`~vtoken_runtime.cache.VTokenCache`); ``group_size`` = query heads
+    per KV head. ``seconds`` accumulates the time spent (statistics cost, reported by benchmarks)."""
+
+    def __init__(self, cache: Any, stat_names: Iterable[str], config: StatsConfig | None, group_size: int) -> None:
+        names = set(stat_names)
+        self.cache = cache
+        self.cfg = config or StatsConfig()
+        self.group_size = int(group_size)
+        self.attn = tuple(n for n in ATTENTION_STATS if n in names)
+        self.kv = tuple(n for n in KV_STATS if n in names)
+        self.seconds = 0.0
+
+    def write_norms(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Key/value norms of freshly cached tokens: ``k, v [T, H_kv, D]`` at physical ``slots [T]``."""
+        for name, x in (("key_norm", k), ("value_norm", v)):
+            if name in self.kv:
+                self.cache.stats_tensor(name)[layer][:, slots] = torch.linalg.vector_norm(x.float(), dim=-1).T
+
+    def fold_probs(self, layer: int, md: Any, probs: torch.Tensor, query_pos: torch.Tensor,
+                   prompt_lens: torch.Tensor) -> None:
+        """Fold ``probs [B, H_kv, Q, L]`` (:func:`~vtoken_runtime.paged_attention.paged_attention`'s) of one
+        layer into the attention statistics. ``query_pos [B, Q]`` (-1 = padding), ``prompt_lens [B]``."""
+        if not self.attn:
+            return
+        t0 = time.perf_counter()
+        cache = self.cache
+        L = probs.shape[-1]
+        b_idx, j_idx, slots = cache.visible_slots(md, L)
+        vis = None
+        if "low_attn_count" in self.attn:
+            s, ok = slot_index(md.block_tables, md.cache_lens, L, cache.block_size)
+            vis = visibility(cache.key_positions(layer), s, ok, query_pos)
+        contrib = step_contributions(probs, vis, query_pos, md.cache_lens, prompt_lens, self.group_size, self.cfg,
+                                     self.attn)
+        fold({n: cache.stats_tensor(n)[layer] for n in self.attn}, contrib, b_idx, j_idx, slots)
+        self.seconds += time.perf_counter() - t0
+
+    def attention(self, layer: int, query: torch.Tensor, md: Any, query_pos: torch.Tensor,
+                  prompt_lens: torch.Tensor, scale: float | None = None) -> None:
+        """Recompute the probabilities of ``query [B, Q, H_q, D]`` over the paged cache, then fold them."""
+        if not self.attn:
+            return
+        t0 = time.perf_counter()
+        _, probs = self.cache.attention(layer, query, md, query_pos, return_probs=True, scale=scale)
+        assert probs is not None
+        self.seconds += time.perf_counter() - t0
+        self.fold_probs(layer, md, probs, query_pos, prompt_lens)

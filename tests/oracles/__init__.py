@@ -1,0 +1,1 @@
+"""Independent test oracles: dense, loop-based references that share no code with the runtime."""

@@ -1,0 +1,136 @@
+"""Budget.resolve rounds half up: ``max(min_tokens, floor(ratio * seq_len + 0.5))`` (or ``tokens``).
+
+Expectations are computed with exact rational / integer arithmetic, never by calling ``resolve``:
+ratios that are exact in binary (k / 2**m, products exact in float64) must match to the token,
+including the ties at .5 (ratio 0.5 with odd lengths, 0.25 / 0.75 with lengths 2 mod 4, ...); any
+other float ratio must match the exact round-half-up of its (exact, dyadic) value times the length,
+except within float64 rounding of a tie, where either neighbour is accepted. The contract check
+behind ``vtoken-cli validate`` (``exact_budget``) must not trust a backend's own budget either.
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import vtoken_sdk as vt
+from vtoken_sdk.batch import StatsBatch
+from vtoken_sdk.checks import ContractViolation, prop_budget
+from vtoken_sdk.reference import ReferencePolicy
+
+LENGTHS = st.integers(0, 1 << 20)
+MIN_TOKENS = st.one_of(st.just(0), st.integers(0, 64))
+
+
+def half_up(x: Fraction) -> int:
+    """floor(x + 1/2) for an exact rational x >= 0."""
+    return math.floor(x + Fraction(1, 2))
+
+
+@st.composite
+def dyadic_ratios(draw: st.DrawFn) -> tuple[int, int]:
+    """``(k, m)`` with ratio ``k / 2**m`` in (0, 1]: exact in binary."""
+    m = draw(st.integers(0, 10))
+    k = draw(st.integers(1, 1 << m))
+    return k, m
+
+
+@settings(max_examples=400, deadline=None)
+@given(km=dyadic_ratios(), seq_len=LENGTHS, min_tokens=MIN_TOKENS)
+def test_dyadic_ratio_rounds_half_up_exactly(km: tuple[int, int], seq_len: int, min_tokens: int) -> None:
+    k, m = km
+    b = vt.Budget(ratio=k / 2**m, min_tokens=min_tokens)
+    # floor(k * s / 2**m + 1/2) in integers: floor((2 k s + 2**m) / 2**(m+1))
+    want = (2 * k * seq_len + (1 << m)) >> (m + 1)
+    assert b.resolve(seq_len) == max(min_tokens, want), (k, m, seq_len)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    case=st.one_of(
+        # (ratio as k/2**m, length) whose product lies exactly on .5
+        st.integers(0, 1 << 18).map(lambda j: ((1, 1), 2 * j + 1)),   # 0.5 x odd
+        st.integers(0, 1 << 18).map(lambda j: ((1, 2), 4 * j + 2)),   # 0.25 x (2 mod 4)
+        st.integers(0, 1 << 18).map(lambda j: ((3, 2), 4 * j + 2)),   # 0.75 x (2 mod 4)
+        st.tuples(st.integers(0, 1 << 12), st.sampled_from([1, 3, 5, 7])).map(
+            lambda t: ((t[1], 3), 8 * t[0] + 4)),                      # odd/8 x (4 mod 8)
+    ),
+    min_tokens=MIN_TOKENS,
+)
+def test_exact_ties_round_up(case: tuple[tuple[int, int], int], min_tokens: int) -> None:
+    (k, m), seq_len = case
+    exact = Fraction(k, 2**m) * seq_len
+    assert exact.denominator == 2  # really a tie
+    want = int(exact + Fraction(1, 2))  # the tie rounds up, not down and not to even
+    assert vt.Budget(ratio=k / 2**m, min_tokens=min_tokens).resolve(seq_len) == max(min_tokens, want)
+
+
+@settings(max_examples=400, deadline=None)
+@given(ratio=st.floats(min_value=1e-6, max_value=1.0), seq_len=LENGTHS, min_tokens=MIN_TOKENS)
+def test_any_float_ratio_rounds_half_up(ratio: float, seq_len: int, min_tokens: int) -> None:
+    exact = Fraction(ratio) * seq_len  # a float is an exact dyadic rational
+    got = vt.Budget(ratio=ratio, min_tokens=min_tokens).resolve(seq_len)
+    frac = exact - math.floor(exact)
+    near_tie = abs(frac - Fraction(1, 2)) <= Fraction(seq_len + 1, 2**50)  # float64 rounding of the product
+    want = half_up(exact)
+    if near_tie:
+        assert got in {max(min_tokens, math.floor(exact)), max(min_tokens, math.floor(exact) + 1)}
+    else:
+        assert got == max(min_tokens, want), (ratio, seq_len, exact)
+
+
+@settings(max_examples=100, deadline=None)
+@given(tokens=st.integers(1, 1 << 20), seq_len=LENGTHS, min_tokens=MIN_TOKENS)
+def test_absolute_budget_ignores_length(tokens: int, seq_len: int, min_tokens: int) -> None:
+    assert vt.Budget(tokens=tokens, min_tokens=min_tokens).resolve(seq_len) == max(min_tokens, tokens)
+
+
+@settings(max_examples=200, deadline=None)
+@given(km=dyadic_ratios(), seq_len=st.integers(0, 4096), live=st.integers(0, 4096), slack=st.integers(0, 16),
+       override=st.one_of(st.none(), st.integers(0, 4096)))
+def test_should_evict_uses_the_rounded_budget(km: tuple[int, int], seq_len: int, live: int, slack: int,
+                                              override: int | None) -> None:
+    k, m = km
+    b = vt.Budget(ratio=k / 2**m, slack=slack)
+    budget = ((2 * k * seq_len + (1 << m)) >> (m + 1)) if override is None else override
+    assert b.should_evict(live, seq_len, "decode", override) == (live > budget + slack)
+
+
+def test_hand_picked_values() -> None:
+    assert [vt.Budget(ratio=0.5).resolve(n) for n in (0, 1, 2, 3, 4, 5)] == [0, 1, 1, 2, 2, 3]
+    assert [vt.Budget(ratio=0.25).resolve(n) for n in (1, 2, 3, 6, 10)] == [0, 1, 1, 2, 3]
+    assert vt.Budget(ratio=0.75).resolve(6) == 5  # 4.5 -> 5
+    assert vt.Budget.evict(0.5).resolve(7) == 4
+
+
+# ---------------------------------------------------------------------- the contract check's expectation
+
+
+class _FloorBudgets(ReferencePolicy):
+    """A backend whose budget rounds down (the planted bug): its masks agree with its own budgets()."""
+
+    def budgets(self, batch: StatsBatch) -> torch.Tensor:
+        if batch.budget is not None:
+            return batch.budget.to(torch.int64)
+        r = self.policy.spec.budget.ratio
+        return torch.tensor([math.floor(r * int(s)) for s in batch.seq_lens.tolist()], dtype=torch.int64)
+
+
+@pytest.mark.parametrize("ratio", [0.5, 0.25])
+def test_exact_budget_check_does_not_trust_the_backend_budget(ratio: float) -> None:
+    @vt.policy(budget=vt.Budget(ratio=ratio), granularity="head")
+    def p(s: vt.TokenStats):
+        return s.attn_sum
+
+    n = 10
+    lengths, seq = torch.tensor([n, n]), torch.tensor([15, 22])  # 0.5 x 15 = 7.5 -> 8; 0.25 x 22 = 5.5 -> 6
+    batch = StatsBatch(stats={"attn_sum": torch.randn(2, 1, 2, n, generator=torch.Generator().manual_seed(0))},
+                       lengths=lengths, positions=StatsBatch.contiguous_positions(lengths, n, seq), seq_lens=seq)
+    prop_budget(ReferencePolicy(p), batch)  # the real backend passes
+    with pytest.raises(ContractViolation, match="expected"):
+        prop_budget(_FloorBudgets(p), batch)
