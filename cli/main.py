@@ -19,10 +19,12 @@ app.command("list")(list_policies)
 from .bench_cmd import bench_app  # noqa: E402
 from .compile_cmd import compile_policies  # noqa: E402
 from .eval_cmd import evaluate  # noqa: E402
+from .server_cmd import serve_server  # noqa: E402
 
 app.add_typer(bench_app, name="bench")
 app.command("eval")(evaluate)
 app.command("compile")(compile_policies)
+app.command("serve", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(serve_server)
 
 
 def main() -> None:  # pragma: no cover

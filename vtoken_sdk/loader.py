@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import os
+import re
 import sys
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,6 +22,48 @@ class LoadedFile:
     path: Path
     policies: list[Policy] = field(default_factory=list)
     error: PolicyDefinitionError | None = None
+
+
+NUMPY_HINT = ("write the score with torch or vt ops: np.log(x) -> x.log() or torch.log(x), "
+              "np.maximum -> vt.maximum, np.where -> vt.where, np.clip -> x.clamp(); numbers like np.float32(2) are fine")
+
+_NUMPY_ATTR = re.compile(r"\.(__array\w*__|numpy)\(\)")
+
+
+def _numpy_message(e: PolicyDefinitionError) -> str | None:
+    """``numpy cannot be traced: ...`` when tracing a score failed because it called numpy, else None.
+
+    Tracing hands the score function symbolic statistics (``vtoken_sdk.ir.Expr``); numpy
+    probes them for ``__array_struct__``/``__array_interface__``/``__array__``, numpy's
+    Python wrappers (``np.clip``, ``np.mean``) call array methods on them, and ``.numpy()``
+    is asked of them directly. All of these surface as an "unsupported tensor method" or
+    "got ndarray" error; a numpy frame in the traceback or one of those names says numpy.
+    """
+    np_mod = sys.modules.get("numpy")
+    np_file = getattr(np_mod, "__file__", None)
+    np_dir = os.path.dirname(np_file) + os.sep if np_file else None
+    func = None
+    for exc in (e, e.__context__):
+        if exc is None or np_dir is None:
+            continue
+        for fs in traceback.extract_tb(exc.__traceback__):
+            if fs.filename.startswith(np_dir):
+                func = fs.name  # the outermost numpy frame: the np.<function> the score called
+                break
+        if func is not None:
+            break
+    attr = _NUMPY_ATTR.search(e.message)
+    if func is None and attr is None and "got ndarray" not in e.message:
+        return None
+    if func is not None and not func.startswith("_"):
+        what = f"np.{func}() was called on a statistic"
+    elif attr is not None and attr.group(1) == "numpy":
+        what = ".numpy() was called on a statistic"
+    elif attr is not None or func is not None:
+        what = "a numpy function was called on a statistic"
+    else:
+        what = "a numpy array was combined with a statistic"
+    return f"numpy cannot be traced: {what} (a score function runs once, at decoration, on symbolic statistics)"
 
 
 def load_policy_file(path: str | Path) -> LoadedFile:
@@ -50,7 +95,11 @@ def load_policy_file(path: str | Path) -> LoadedFile:
         spec.loader.exec_module(module)
     except PolicyDefinitionError as e:
         e.file = shown if e.file == real else e.file
-        out.error = PolicyDefinitionError(e.message, file=e.file, line=e.line, hint=e.hint, check=e.check)
+        message, hint = e.message, e.hint
+        numpy_message = _numpy_message(e)
+        if numpy_message is not None:
+            message, hint = numpy_message, NUMPY_HINT
+        out.error = PolicyDefinitionError(message, file=e.file, line=e.line, hint=hint, check=e.check)
         return out
     except ValidationError as e:
         out.error = PolicyDefinitionError(_pydantic_message(e), file=shown,

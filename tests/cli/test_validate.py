@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
+import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -31,7 +35,7 @@ def test_at_least_twelve_malformed_files() -> None:
 @pytest.mark.parametrize("path", MALFORMED, ids=lambda p: p.stem)
 def test_malformed_policy_exits_1_with_location_and_no_traceback(path: Path) -> None:
     line, check = expected(path)
-    res = runner.invoke(app, ["validate", str(path), "--examples", "200"])
+    res = runner.invoke(app, ["validate", str(path), "--examples", "200", "--timeout", "4"])
     assert res.exit_code == 1, res.output
     assert res.exception is None or isinstance(res.exception, SystemExit)
     assert f"{path}:{line}" in res.stderr, res.stderr
@@ -70,9 +74,119 @@ def test_usage_errors_exit_2() -> None:
     assert runner.invoke(app, ["no-such-command"]).exit_code == 2
 
 
-def test_missing_file_is_reported() -> None:
-    res = runner.invoke(app, ["validate", "does/not/exist.py"])
-    assert res.exit_code == 1 and "no such file" in res.stderr
+def test_missing_file_is_a_usage_error() -> None:
+    res = runner.invoke(app, ["validate", "does/not/exist.py", str(ROOT / "policies" / "h2o.py")])
+    assert res.exit_code == 2
+    assert res.stderr.strip() == "error does/not/exist.py: no such file"
+    assert res.stdout == ""  # nothing was validated
+
+
+def test_directory_is_a_usage_error() -> None:
+    res = runner.invoke(app, ["validate", str(ROOT / "policies"), "--json"])
+    assert res.exit_code == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "is a directory" in lines[0] and str(ROOT / "policies") in lines[0]
+    assert res.stdout == "" and "Traceback" not in res.stderr
+
+
+def cli(*args: str, timeout: float = 180) -> tuple[subprocess.CompletedProcess[str], float]:
+    """Run the installed ``vtoken-cli`` like a user does (a real process, real exit code)."""
+    exe = Path(sys.executable).with_name("vtoken-cli")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-c", "from vtoken_cli.main import app; app()"]
+    t0 = time.monotonic()
+    res = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    return res, time.monotonic() - t0
+
+
+def test_file_that_never_finishes_loading_times_out_and_the_others_are_checked() -> None:
+    loops = Path(__file__).parent / "malformed" / "loops_forever.py"
+    line, _ = expected(loops)
+    t0 = time.monotonic()
+    res = runner.invoke(app, ["validate", str(loops), str(ROOT / "policies" / "h2o.py"), "--timeout", "2",
+                              "--examples", "5", "--json"])
+    assert time.monotonic() - t0 < 2 + 10
+    assert res.exit_code == 1
+    msg = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert msg == [f"error {loops}:{line}: loading the file timed out after 2 s (still executing this line; "
+                   "raise --timeout if the file is only slow)"], res.stderr
+    report = json.loads(res.stdout)
+    assert [r["check"] for r in report["results"] if r["file"] == str(loops)] == ["load"]
+    h2o = [r for r in report["results"] if r["policy"] == "h2o"]
+    assert len(h2o) == len(report["checks"]) and all(r["ok"] for r in h2o)
+
+
+def test_cli_process_does_not_hang_on_a_loop_in_c_code() -> None:
+    """The installed command: a loop that holds the GIL in C is stopped too, output stays JSON."""
+    loops = Path(__file__).parent / "malformed" / "loops_in_c.py"
+    line, _ = expected(loops)
+    res, took = cli("validate", str(loops), "policies/tova.py", "--timeout", "2", "-n", "5", "--json")
+    assert res.returncode == 1, res.stderr
+    assert f"error {loops}:{line}: loading the file timed out after 2 s" in res.stderr
+    assert "Traceback" not in res.stderr
+    report = json.loads(res.stdout)
+    assert {r["policy"] for r in report["results"]} == {None, "tova"}
+    assert took < 120
+
+
+def test_hanging_check_times_out_and_the_next_policy_is_checked(tmp_path: Path) -> None:
+    f = tmp_path / "hangs.py"
+    f.write_text(textwrap.dedent("""\
+        import vtoken_sdk as vt
+
+
+        @vt.mask_policy(budget=vt.Budget(ratio=0.5), reads=("attn_sum",))
+        def hangs(s: vt.TokenStats, ctx: vt.MaskContext):
+            while True: pass
+
+
+        @vt.policy(budget=vt.Budget(ratio=0.5))
+        def fine(s: vt.TokenStats):
+            return s.attn_sum
+        """))
+    t0 = time.monotonic()
+    res = runner.invoke(app, ["validate", str(f), "--check-timeout", "2", "-n", "5", "--json"])
+    assert time.monotonic() - t0 < 2 + 15
+    assert res.exit_code == 1
+    assert (f"FAIL {f}:6: policy 'hangs' check score_shape: running the check timed out after 2 s "
+            "(still executing this line; raise --check-timeout if the checks are only slow)") in res.stderr
+    results = json.loads(res.stdout)["results"]
+    hangs = [r for r in results if r["policy"] == "hangs"]
+    assert [(r["check"], r["ok"]) for r in hangs] == [("definition", True), ("known_stats", True),
+                                                       ("score_shape", False)]
+    fine = [r for r in results if r["policy"] == "fine"]
+    assert fine and all(r["ok"] for r in fine)
+
+
+@pytest.mark.parametrize(("code", "where", "message"), [
+    ("import os\nos._exit(3)", "", "the process loading the file exited with code 3"),
+    ("import ctypes\nctypes.string_at(0)", ":2", "the process loading the file was killed by SIGSEGV"),  # faulthandler
+])
+def test_file_that_kills_the_interpreter_is_reported(tmp_path: Path, code: str, where: str, message: str) -> None:
+    f = tmp_path / "dies.py"
+    f.write_text(code + "\n")
+    res = runner.invoke(app, ["validate", str(f), str(ROOT / "policies" / "h2o.py"), "-n", "5"])
+    assert res.exit_code == 1
+    assert f"error {f}{where}: {message}\n" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr and "Fatal Python error" not in res.stderr
+    assert "passed, 1 failed" in res.stdout  # h2o was still checked
+
+
+@pytest.mark.parametrize("name", ["numpy_ufunc", "numpy_method"])
+def test_numpy_in_a_score_says_numpy_cannot_be_traced(name: str) -> None:
+    path = Path(__file__).parent / "malformed" / f"{name}.py"
+    line, _ = expected(path)
+    res = runner.invoke(app, ["validate", str(path)])
+    assert res.exit_code == 1
+    first = res.stderr.splitlines()[0]
+    assert first.startswith(f"error {path}:{line}: numpy cannot be traced"), res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_timeout_option_is_typed_and_documented() -> None:
+    assert runner.invoke(app, ["validate", "x.py", "--timeout", "soon"]).exit_code == 2
+    assert runner.invoke(app, ["validate", "x.py", "--timeout", "0"]).exit_code == 2
+    res = runner.invoke(app, ["validate", "--help"], env={"COLUMNS": "200"})
+    assert "--timeout" in res.stdout and "--check-timeout" in res.stdout
 
 
 def test_list_shows_shipped_policies() -> None:

@@ -1,0 +1,219 @@
+"""The serving surface as a user meets it: ``vtoken-cli serve`` starts vLLM's OpenAI server (its own
+engine-core process), driven with the ``openai`` client and raw HTTP.
+
+One server for the module (SmolLM2-135M, a small KV cache: 96 blocks of 32 tokens), stopped by the
+fixture. Checked: completions and chat, streaming and not; per-request options over ``vllm_xargs``
+(eviction seen on ``/metrics``); every invalid option is a 400 naming the key while the server keeps
+serving; 20 concurrent requests all complete with the output they get alone; a client that
+disconnects mid-stream gives its blocks back; refused configurations exit 2 at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+CLI = [sys.executable, "-c", "from vtoken_cli.main import main; main()"]
+BLOCKS = 96
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str, timeout: float = 5.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except OSError:
+        return 0, ""
+
+
+def _post(url: str, body: dict, timeout: float = 120.0) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+class Server:
+    def __init__(self, model: Path, port: int, proc: subprocess.Popen, log: Path) -> None:
+        self.model, self.port, self.proc, self.log = str(model), port, proc, log
+        self.base = f"http://127.0.0.1:{port}"
+
+    def metric(self, name: str) -> float:
+        _, text = _get(self.base + "/metrics")
+        total = 0.0
+        for line in text.splitlines():
+            m = re.match(rf"^{re.escape(name)}(\{{[^}}]*\}})? ([0-9.eE+-]+)$", line)
+            if m:
+                total += float(m.group(2))
+        return total
+
+    def client(self):  # noqa: ANN201
+        import openai
+
+        return openai.OpenAI(base_url=self.base + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    from vtoken_bench.models import smollm2_path
+
+    model = smollm2_path()
+    port = _free_port()
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    per_block = 2 * 30 * 3 * 64 * 32 * 4  # SmolLM2: 30 layers x 3 KV heads x head 64, fp32, 32-token blocks
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(
+            [*CLI, "serve", str(model), "--policy", "h2o", "--eviction-ratio", "0.5", "--port", str(port),
+             "--host", "127.0.0.1", "--max-model-len", "1024", "--max-num-seqs", "8", "--block-size", "32",
+             "--enforce-eager", "--kv-cache-memory-bytes", str(BLOCKS * per_block)],
+            stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    srv = Server(model, port, proc, log)
+    try:
+        deadline = time.monotonic() + 300
+        while _get(srv.base + "/health", 2)[0] != 200:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"server did not start (rc={proc.poll()}):\n{log.read_text()[-4000:]}")
+            time.sleep(1)
+        yield srv
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def _prompt(n_words: int, seed: int = 0) -> str:
+    words = ("river stone lantern orchard violet copper meadow harbor falcon ember willow quartz "
+             "thistle beacon saffron glacier").split()
+    return " ".join(words[(i * 7 + seed * 3) % len(words)] for i in range(n_words))
+
+
+def test_startup_line_and_completion_chat_streaming(server: Server) -> None:
+    assert re.search(r"vtoken: policy=h2o budget\(eviction_ratio=0\.5.*granularity=head statistics=\['attn_sum'\]",
+                     server.log.read_text())
+    c = server.client()
+    r = c.completions.create(model=server.model, prompt=_prompt(40), max_tokens=12, temperature=0)
+    assert r.choices[0].text and r.usage.completion_tokens == 12
+    chunks = list(c.completions.create(model=server.model, prompt=_prompt(40), max_tokens=12, temperature=0,
+                                       stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == r.choices[0].text
+    chat = c.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "Say hello."}],
+                                     max_tokens=8, temperature=0)
+    assert chat.choices[0].message.content
+    sc = c.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "Say hello."}],
+                                   max_tokens=8, temperature=0, stream=True)
+    assert "".join(ch.choices[0].delta.content or "" for ch in sc if ch.choices) == chat.choices[0].message.content
+
+
+def test_per_request_options_over_http_evict_and_show_on_metrics(server: Server) -> None:
+    before = server.metric("vtoken_tokens_evicted_total")
+    freed = server.metric("vtoken_blocks_freed_total")
+    url = server.base + "/v1/completions"
+    base = {"model": server.model, "prompt": _prompt(300, 1), "max_tokens": 8, "temperature": 0}
+    code, off = _post(url, {**base, "vllm_xargs": {"vtoken_enabled": False}})
+    assert code == 200 and server.metric("vtoken_tokens_evicted_total") == before  # opted out: nothing evicted
+    code, on = _post(url, {**base, "vllm_xargs": {"vtoken_budget_tokens": 64, "vtoken_pinned_spans": [0, 8]}})
+    assert code == 200 and on["choices"][0]["text"]
+    assert server.metric("vtoken_tokens_evicted_total") > before
+    assert server.metric("vtoken_blocks_freed_total") > freed
+    assert server.metric("vtoken_policy_failures_total") == 0
+
+
+BAD = [
+    ({"vtoken_budget_tokens": -5}, "vtoken_budget_tokens"),
+    ({"vtoken_budget_tokens": 1.5}, "vtoken_budget_tokens"),
+    ({"vtoken_eviction_ratio": 1.5}, "vtoken_eviction_ratio"),
+    ({"vtoken_eviction_ratio": "half"}, "vtoken_eviction_ratio"),
+    ({"vtoken_pinned_spans": [10, 0]}, "vtoken_pinned_spans"),
+    ({"vtoken_pinned_spans": [0, 16, 32]}, "vtoken_pinned_spans"),
+    ({"vtoken_pinned_spans": "0-16"}, "vtoken_pinned_spans"),
+    ({"vtoken_enabled": "false"}, "vtoken_enabled"),
+    ({"vtoken_enabled": 2}, "vtoken_enabled"),
+    ({"vtoken_bogus": 1}, "vtoken_bogus"),
+    ({"vtoken_budget_tokens": 8, "vtoken_eviction_ratio": 0.5}, "at most one"),
+    ({"vtoken": "h2o"}, "vtoken"),
+]
+
+
+def test_every_invalid_option_is_a_400_and_the_server_keeps_serving(server: Server) -> None:
+    url = server.base + "/v1/completions"
+    rejected = server.metric("vtoken_rejected_requests_total")
+    for xargs, key in BAD:
+        code, body = _post(url, {"model": server.model, "prompt": "hello", "max_tokens": 4, "vllm_xargs": xargs})
+        assert code == 400, (xargs, body)
+        assert key in body["error"]["message"], (xargs, body)
+    assert server.metric("vtoken_rejected_requests_total") == rejected + len(BAD)
+    code, body = _post(url, {"model": server.model, "prompt": "hello", "max_tokens": 4, "vllm_xargs": {"vtoken": {}}})
+    assert code == 400  # the nested alias is not expressible over HTTP (vLLM types vllm_xargs as flat)
+    code, body = _post(url, {"model": server.model, "prompt": "hello", "max_tokens": 4,
+                             "vllm_xargs": {"vtoken_pinned_spans": [0, 10**12]}})  # clipped to the request
+    assert code == 200 and body["choices"][0]["text"]
+
+
+def test_twenty_concurrent_requests_complete_with_their_own_output(server: Server) -> None:
+    c = server.client()
+    prompts = [_prompt(60 + 25 * (i % 5), i) for i in range(20)]
+
+    def run(p: str) -> str:
+        return c.completions.create(model=server.model, prompt=p, max_tokens=16, temperature=0).choices[0].text
+
+    alone = [run(p) for p in prompts[:4]]
+    with ThreadPoolExecutor(20) as ex:
+        together = list(ex.map(run, prompts))
+    assert all(together) and len(together) == 20
+    assert together[:4] == alone
+
+
+def test_client_disconnect_mid_stream_returns_its_blocks(server: Server) -> None:
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    body = {"model": server.model, "prompt": _prompt(400, 2), "max_tokens": 500, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    assert resp.readline()  # the stream has started: the request holds KV blocks
+    assert server.metric("vllm:num_requests_running") >= 1
+    conn.close()  # disconnect mid-stream
+    deadline = time.monotonic() + 60
+    while server.metric("vllm:num_requests_running") > 0 or server.metric("vllm:kv_cache_usage_perc") > 0:
+        assert time.monotonic() < deadline, "the aborted request kept its blocks"
+        time.sleep(0.5)
+    assert _post(server.base + "/v1/completions", {"model": server.model, "prompt": "hello", "max_tokens": 4})[0] == 200
+
+
+@pytest.mark.parametrize("args, why", [
+    (["--policy", "nope"], "neither a shipped policy"),
+    (["--mode", "sideways"], "unknown mode"),
+    (["--enable-prefix-caching"], "prefix caching"),
+    (["--pipeline-parallel-size", "2"], "pipeline parallelism"),
+])
+def test_bad_configuration_is_refused_at_once(tmp_path: Path, args: list[str], why: str) -> None:
+    t0 = time.monotonic()
+    r = subprocess.run([*CLI, "serve", str(tmp_path), *args], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and why in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert time.monotonic() - t0 < 30
