@@ -88,11 +88,13 @@ def vtoken_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
     k = key.transpose(1, 2)[ctx.valid]  # [T, H_kv, D]
     v = value.transpose(1, 2)[ctx.valid]
     s.cache.write_kv_slots(layer, ctx.slots, k, v)
-    s.collector.write_norms(layer, ctx.slots, k, v)
+    col = s.collector
+    assert col is not None
+    col.write_norms(layer, ctx.slots, k, v)
     q = query.transpose(1, 2)  # [B, Q, H_q, D]
     out, probs = s.cache.attention(layer, q, ctx.md, ctx.query_pos, return_probs=s.collect_probs, scale=scaling)
     if probs is not None:
-        s.collector.fold_probs(layer, ctx.md, probs, ctx.query_pos, ctx.prompt_lens)
+        col.fold_probs(layer, ctx.md, probs, ctx.query_pos, ctx.prompt_lens)
     return out, None
 
 
@@ -128,6 +130,7 @@ class HFSession:
         self.stats_config = stats_config or StatsConfig()
         self._claimed: dict[str, Any] = {} if stats_config is None else dict(stats_config)
         self._started = False  # a forward ran: the collector's parameters are fixed
+        self.collector: StatsCollector | None = None  # built by the first forward, with the claimed parameters
         self.stat_names = tuple(sorted(set(stat_names).union(*(p.stored_reads for p in policies))))
         for p in policies:
             self._adopt_stats_config(p)
@@ -142,14 +145,6 @@ class HFSession:
         self.driver = EvictionDriver(self.cache, list(self.shadows.values()), record_keeps=record_keeps)
         self.requests: dict[Hashable, TrackedRequest] = self.driver.requests
         self.prompt_lens: dict[Hashable, int] = {}
-
-    @property
-    def collector(self) -> StatsCollector:
-        """The statistics collector (its parameters are frozen by the first forward)."""
-        c = getattr(self, "_collector", None)
-        if c is None or c.cfg != self.stats_config:
-            c = self._collector = StatsCollector(self.cache, self.stat_names, self.stats_config, self.group_size)
-        return c
 
     # ------------------------------------------------------------------ requests
     def add(self, req_id: Hashable, policy: Any | None = None, pinned_positions: Sequence[int] | None = None,
@@ -246,7 +241,9 @@ class HFSession:
         md = self.cache.attention_metadata(list(req_ids))
         plen = torch.as_tensor([self.prompt_lens.get(r, 0) for r in req_ids], dtype=torch.int64)
         ctx = StepContext(self, md, qpos >= 0, qpos, plen, torch.cat(slots))
-        self._started = True
+        if not self._started:
+            self.collector = StatsCollector(self.cache, self.stat_names, self.stats_config, self.group_size)
+            self._started = True
         with _vtoken_attention(self.model):
             out = self.model(input_ids=ids, position_ids=qpos.clamp(min=0), use_cache=False, vtoken_step=ctx,
                              logits_to_keep=0)
