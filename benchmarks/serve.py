@@ -255,9 +255,11 @@ def run_serve_benchmark(cfg: ServeConfig, log: Any = print) -> dict[str, Any]:
             llm = build_engine(model_dir, cfg, plugin, max_num_seqs=n)
             run_trace(llm, trace[:2])
             if plugin is not None:
-                c = _runner(llm).vtoken_counters
+                c = _runner(llm).vtoken_counters  # a snapshot: read again after the run
                 s0, p0 = c["steps"], c["prepare_seconds"]
             res = run_trace(llm, trace)
+            if plugin is not None:
+                c = _runner(llm).vtoken_counters
             if plugin is not None and c["steps"] > s0:
                 ind_ms = round(1e3 * (c["prepare_seconds"] - p0) / (c["steps"] - s0), 4)
                 step_ms = round(1e3 * res.seconds / (c["steps"] - s0), 2)
