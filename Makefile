@@ -49,8 +49,11 @@ test: install kvpress
 	$(PY) -m pytest -q -p no:cacheprovider tests/triton
 	$(PY) -m pytest -q -p no:cacheprovider tests/vllm
 
+# The fast suite: no real model, no vLLM engine; plus the Triton statistics kernel's value test (interpreter,
+# own process: TRITON_INTERPRET must be set before triton is imported).
 test-fast: install
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow and not vllm" --ignore=tests/triton --ignore=tests/vllm
+	$(PY) -m pytest -q -p no:cacheprovider tests/triton/test_stats_values.py
 
 lint: install
 	$(VENV)/bin/ruff check vtoken_sdk runtime cli policies tests benchmarks
