@@ -19,6 +19,7 @@ point (vLLM calls it in every process before building engines).
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from .config import PluginConfig, RequestOptions, request_options
@@ -41,6 +42,11 @@ def register() -> None:
     if _REGISTERED:
         return
     _REGISTERED = True
+    # The runtime's numba copy path is kept out of processes that run vLLM: once numba is imported, vLLM's
+    # kernel-rebinding scan of sys.modules (init_worker of the next engine in the same process) crashes
+    # on numba's '_lib_fn_wrapper' objects, and an HFSession in such a process would import it. A
+    # VTOKEN_CPU_COPY set by the user still wins.
+    os.environ.setdefault("VTOKEN_CPU_COPY", "torch")
     from .metrics import use_vllm_logging
 
     use_vllm_logging()

@@ -237,10 +237,8 @@ class VTokenRunnerMixin:
         pol = self._vt_policy
         stat_names = tuple(sorted(pol.stored_reads)) if pol is not None else ()
         sched = self.vllm_config.scheduler_config
-        # The runtime's numba copy path is kept out of vLLM processes: once numba is imported, vLLM's
-        # kernel-rebinding scan of sys.modules (init_worker of the next engine in the same process)
-        # crashes on numba's '_lib_fn_wrapper' objects. VTOKEN_CPU_COPY set by the user still wins.
-        copy_path = os.environ.get("VTOKEN_CPU_COPY", "torch")
+        # torch copy path unless the user chose: numba must stay out of vLLM processes (see register())
+        copy_path = os.environ.setdefault("VTOKEN_CPU_COPY", "torch")
         kmap, vmap = probe_cpu_kv_layout(getattr(layers[names[0]], "isa", None) or "vec", kv[0].dtype, bs, d2 // 2)
         self._vt_pool = ExternalPool(nb, debug=self._vt_cfg.debug)
         cache = VTokenCache(
