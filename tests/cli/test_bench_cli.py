@@ -47,3 +47,8 @@ def test_eval_runs_and_full_cache_is_the_reference(tmp_path: Path) -> None:
     full = rows[("full", 0.0)]
     assert 1.0 < full["perplexity"] < 200.0
     assert full["passkey_in_prompt"] == 1.0 and full["passkey_after_eviction"] == 1.0
+    # two perplexity protocols: with no eviction they score the same tokens the same way
+    assert abs(full["perplexity_once"] - full["perplexity_decode"]) < 1e-3 * full["perplexity_decode"]
+    kn = rows[("knorm", 0.5)]
+    assert kn["perplexity_decode"] == kn["perplexity"] and kn["perplexity_once"] != kn["perplexity_decode"]
+    assert "ppl (evict once)" in res.stdout and "ppl (evict every step)" in res.stdout
