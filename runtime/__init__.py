@@ -1,5 +1,6 @@
 """vtoken runtime: the vToken layer (block pool, token table, per-slot stats, reclamation planner,
-copy engine, paged attention reference) and the cache facade the adapters share.
+copy engine, paged attention reference), the cache that sequences them, the statistics collector and
+the eviction driver the adapters share (HF transformers, the vLLM plugin).
 
 Importing this package is cheap: public names are resolved lazily on first access.
 """
@@ -12,7 +13,9 @@ __all__ = [
     "AttentionMetadata",
     "BlockPool",
     "CopyEngine",
+    "EvictionDriver",
     "ReclaimStats",
+    "StatsCollector",
     "VTokenCache",
     "paged_attention",
 ]
@@ -23,6 +26,8 @@ _LAZY = {
     "VTokenCache": ".cache",
     "BlockPool": ".block_pool",
     "CopyEngine": ".copy_engine",
+    "EvictionDriver": ".eviction",
+    "StatsCollector": ".stats",
     "paged_attention": ".paged_attention",
 }
 
