@@ -22,9 +22,21 @@ from collections.abc import Sequence
 import torch
 
 
-def flat_index(num_kv_heads: int, num_slots: int, slots: torch.Tensor) -> torch.Tensor:
-    """``[H_kv * M]`` indices into a flattened ``[H_kv, S]`` layer store (head-major) for physical ``slots [M]``."""
-    return (torch.arange(num_kv_heads, device=slots.device)[:, None] * num_slots + slots[None, :]).reshape(-1)
+def scatter_into(t: torch.Tensor, slots: torch.Tensor, values: torch.Tensor, reduce: str = "sum") -> None:
+    """Fold ``values [H_kv, M]`` into one layer's store ``t [H_kv, S]`` at physical ``slots [M]``, in place:
+    add (``"sum"``), overwrite (``"set"``) or multiply (``"scale"``). Slots must be distinct for set/scale."""
+    H, S = t.shape
+    tv = t.view(-1)
+    flat = (torch.arange(H, device=slots.device)[:, None] * S + slots[None, :]).reshape(-1)  # head-major
+    vals = values.reshape(-1).to(torch.float32)
+    if reduce == "sum":
+        tv.index_add_(0, flat, vals)
+    elif reduce == "set":
+        tv.index_copy_(0, flat, vals)
+    elif reduce == "scale":
+        tv.index_copy_(0, flat, tv[flat] * vals)
+    else:
+        raise ValueError(f"reduce must be 'sum', 'set' or 'scale', got {reduce!r}")
 
 
 class SlotStore:
@@ -62,19 +74,8 @@ class SlotStore:
             raise ValueError(f"unknown stat {name!r}; declared stats are {list(self.stat_names)}") from None
 
     def scatter(self, name: str, layer: int, slots: torch.Tensor, values: torch.Tensor, reduce: str = "sum") -> None:
-        """Fold ``values [H_kv, M]`` into stat ``name`` of ``layer`` at physical ``slots [M]``: add (``"sum"``),
-        overwrite (``"set"``) or multiply (``"scale"``). Slots must be distinct for ``"set"``/``"scale"``."""
-        t = self.tensor(name)[layer].view(-1)
-        flat = flat_index(self.num_kv_heads, self.num_slots, slots)
-        vals = values.reshape(-1).to(torch.float32)
-        if reduce == "sum":
-            t.index_add_(0, flat, vals)
-        elif reduce == "set":
-            t.index_copy_(0, flat, vals)
-        elif reduce == "scale":
-            t.index_copy_(0, flat, t[flat] * vals)
-        else:
-            raise ValueError(f"reduce must be 'sum', 'set' or 'scale', got {reduce!r}")
+        """Fold ``values [H_kv, M]`` into stat ``name`` of ``layer`` at physical ``slots [M]`` (:func:`scatter_into`)."""
+        scatter_into(self.tensor(name)[layer], slots, values, reduce)
 
     def gather(self, names: Sequence[str], slots: torch.Tensor) -> dict[str, torch.Tensor]:
         """Stats at physical ``slots [R, n]`` (R = 1: every head reads the same slot; R = L * H_kv: row

@@ -30,7 +30,7 @@ import torch
 
 from vtoken_sdk.stats import ATTENTION_STATS, KV_STATS, StatsConfig
 
-from ..slot_stats import flat_index
+from ..slot_stats import scatter_into
 
 SET_STATS = ("attn_last",)  # overwritten each step; the others accumulate
 
@@ -93,17 +93,12 @@ def fold(layer_stats: dict[str, torch.Tensor], contrib: dict[str, torch.Tensor],
     visible (request ``b_idx``, virtual slot ``j_idx``) pairs whose physical slots are ``slots [M]``:
     add, overwrite (``attn_last``) or decay-and-add (``low_attn_count``)."""
     for name, t in layer_stats.items():
-        H, S = t.shape
-        flat = flat_index(H, S, slots)
-        vals = contrib[name][b_idx, :, j_idx].T.reshape(-1).to(torch.float32)
-        tv = t.view(-1)
+        vals = contrib[name][b_idx, :, j_idx].T  # [H, M]
         if name in SET_STATS:
-            tv.index_copy_(0, flat, vals)
+            scatter_into(t, slots, vals, "set")
             continue
         if name == "low_attn_count":
-            sc = contrib["low_attn_scale"].to(t.device)[b_idx].expand(H, -1).reshape(-1)
-            tv.index_copy_(0, flat, tv[flat] * sc)
-        tv.index_add_(0, flat, vals)
-
+            scatter_into(t, slots, contrib["low_attn_scale"].to(t.device)[b_idx].expand(t.shape[0], -1), "scale")
+        scatter_into(t, slots, vals, "sum")
 
 __all__ = ["ATTENTION_STATS", "KV_STATS", "SET_STATS", "fold", "needs_probs", "step_contributions", "visibility"]
