@@ -86,13 +86,8 @@ class PluginConfig:
             return None
         pol = _load_policy(str(self.policy), self.policy_name)
         if self.eviction_ratio is not None or self.budget_tokens is not None:
-            from vtoken_sdk import Budget
-
-            b = pol.budget
-            keep = {"min_tokens": b.min_tokens, "slack": b.slack, "when": b.when}
-            budget = (Budget(tokens=int(self.budget_tokens), **keep) if self.budget_tokens is not None
-                      else Budget.evict(float(self.eviction_ratio), **keep))
-            pol = pol.configure(budget=budget)
+            ratio = None if self.budget_tokens is not None else self.eviction_ratio  # budget_tokens wins
+            pol = pol.configure(budget=pol.budget.override(self.budget_tokens, ratio))
         return pol
 
 
