@@ -79,7 +79,7 @@ def server_command(model: str, policy: str, mode: str, eviction_ratio: float | N
         _usage("--pipeline-parallel-size: pipeline parallelism is not supported (tensor parallelism is)")
     if "--model" in vllm_args:
         _usage("give the model as the first argument, not --model")
-    looks_local = model.startswith((".", "/", "~")) or os.sep in model and not model.count("/") == 1
+    looks_local = model.startswith((".", "/", "~")) or model.count("/") > 1  # "org/name" may be a hub id
     if looks_local and not Path(model).expanduser().exists():
         _usage(f"model {model!r}: no such directory")
     try:
