@@ -41,8 +41,8 @@ def step_stats(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.
     dev = query.device
     qpos = query_pos.to(dev, torch.int64)
     Lm = probs.shape[-1]
-    slots, ok = slot_index(block_tables.to(dev), cache_lens.to(dev), Lm, key_cache.shape[1])
-    vis = visibility(key_positions.to(dev), slots, ok, qpos).expand(B, Hkv, Q, Lm)
+    vis = visibility(key_positions.to(dev), block_tables.to(dev), cache_lens.to(dev), key_cache.shape[1], Lm,
+                     qpos).expand(B, Hkv, Q, Lm)
     plen = qpos.max(1).values + 1 if prompt_lens is None else prompt_lens.to(dev, torch.int64)
     cfg = StatsConfig(obs_window=obs_window, history_window=history_window, low_attn_threshold=low_attn_threshold)
     out = step_contributions(probs, vis, qpos, cache_lens, plen, Hq // Hkv, cfg, STAT_NAMES, detail=True)

@@ -18,7 +18,6 @@ import torch
 
 from vtoken_sdk.stats import StatsConfig
 
-from ..token_table import slot_index
 from .reference import ATTENTION_STATS, KV_STATS, fold, step_contributions, visibility
 
 
@@ -53,8 +52,7 @@ class StatsCollector:
         b_idx, j_idx, slots = cache.visible_slots(md, L)
         vis = None
         if "low_attn_count" in self.attn:
-            s, ok = slot_index(md.block_tables, md.cache_lens, L, cache.block_size)
-            vis = visibility(cache.key_positions(layer), s, ok, query_pos)
+            vis = visibility(cache.key_positions(layer), md.block_tables, md.cache_lens, cache.block_size, L, query_pos)
         contrib = step_contributions(probs, vis, query_pos, md.cache_lens, prompt_lens, self.group_size, self.cfg,
                                      self.attn)
         fold({n: cache.stats_tensor(n)[layer] for n in self.attn}, contrib, b_idx, j_idx, slots)

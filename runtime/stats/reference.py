@@ -31,6 +31,7 @@ import torch
 from vtoken_sdk.stats import ATTENTION_STATS, KV_STATS, StatsConfig
 
 from ..slot_stats import scatter_into
+from ..token_table import slot_index
 
 SET_STATS = ("attn_last",)  # overwritten each step; the others accumulate
 
@@ -39,10 +40,12 @@ def needs_probs(stat_names: Iterable[str]) -> bool:
     return any(s in ATTENTION_STATS for s in stat_names)
 
 
-def visibility(key_positions: torch.Tensor, slots: torch.Tensor, in_range: torch.Tensor,
-               query_pos: torch.Tensor) -> torch.Tensor:
-    """``visible [B, R, Q, L]`` from ``key_positions [R, S]`` (R = H_kv or 1), ``slots/in_range [B, L]``
-    (:func:`vtoken_runtime.token_table.slot_index`) and ``query_pos [B, Q]``."""
+def visibility(key_positions: torch.Tensor, block_tables: torch.Tensor, cache_lens: torch.Tensor, block_size: int,
+               width: int, query_pos: torch.Tensor) -> torch.Tensor:
+    """``visible [B, R, Q, width]``: key slot ``j < width`` (virtual, through ``block_tables [B, nb]`` and
+    ``cache_lens [B]``) is visible to query ``q`` (``query_pos [B, Q]``) by true position, from
+    ``key_positions [R, S]`` (R = H_kv or 1)."""
+    slots, in_range = slot_index(block_tables, cache_lens, width, block_size)
     kp = key_positions[:, slots].permute(1, 0, 2)[:, :, None, :]  # [B, R, 1, L]
     qpos = query_pos.to(kp.device, torch.int64)[:, None, :, None]
     return in_range[:, None, None, :] & (qpos >= 0) & (kp >= 0) & (kp <= qpos)
