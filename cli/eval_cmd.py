@@ -28,6 +28,9 @@ def evaluate(
     depths: Annotated[str, typer.Option(help="comma-separated needle depths")] = "0.1,0.5,0.9",
     plot: Annotated[Path, typer.Option(help="PNG plot path")] = Path("results/eval.png"),
     as_json: Annotated[Path | None, typer.Option("--json", help="write the JSON report here")] = None,
+    when: Annotated[str, typer.Option(help="prefill: evict once the prompt is complete; chunks: also after "
+                                           "every prefill chunk (Budget(when='chunks'))")] = "prefill",
+    chunk_size: Annotated[int, typer.Option(min=1, help="prefill chunk (tokens per forward)")] = 512,
 ) -> None:
     """Quality under eviction: full cache vs each policy at each eviction ratio."""
     from vtoken_bench.eval_quality import plot_eval, run_eval, write_json
@@ -40,14 +43,18 @@ def evaluate(
     except ValueError as e:
         err.print(f"bad option value: {e}")
         raise typer.Exit(2) from None
+    if when not in ("prefill", "chunks"):
+        err.print(f"bad option value: --when {when!r}; expected prefill or chunks")
+        raise typer.Exit(2)
     ctx = context or (1024 if quick else 2048)
     cont = continuation or (64 if quick else 256)
     nreq = requests or (1 if quick else 2)
     with Progress(console=err, transient=True) as progress:
-        result = run_eval(pol, rts, ctx, cont, nreq, pls, dps, progress=progress)
+        result = run_eval(pol, rts, ctx, cont, nreq, pls, dps, progress=progress, when=when, chunk_size=chunk_size)
     table = Table(title=f"quality under eviction, {result['model']}: perplexity of {cont} tokens after a "
                         f"{ctx}-token evicted context ({nreq} window(s)); passkey at lengths {list(pls)}, "
-                        f"depths {list(dps)}")
+                        f"depths {list(dps)}; eviction after {'every prefill chunk' if when == 'chunks' else 'prefill'}"
+                        f" (chunks of {chunk_size})")
     for c in ("policy", "evict", "ppl (evict once)", "ppl (evict every step)", "passkey (question in prompt)",
               "passkey (question after eviction)"):
         table.add_column(c, justify="right")

@@ -108,6 +108,8 @@ class VTokenCache(CacheQueries):
         self.engine = copy_engine(self.kv_caches, kv_layout, num_kv_heads, head_size, block_size, num_blocks,
                                   self.store, per_head=granularity == "head", async_copy=async_copy,
                                   chunk_bytes=copy_chunk_bytes, cpu_path=copy_path)
+        # compact plans never overlap sources and destinations: the Triton runner moves them in one launch
+        self.engine.planner_mode = "compact" if mode == "compact" else "ordered"
         # Persistent metadata outputs (static addresses; attention_metadata returns views of these).
         mr, dev = max_requests, self.device
         self._md_rows = torch.zeros(mr, dtype=torch.int64, device=dev)
@@ -143,8 +145,8 @@ class VTokenCache(CacheQueries):
             return None
         slots, pos = self.table.reserve(req_id, num_new_tokens, new)
         if slots.size:
-            pos_t = torch.as_tensor(pos, device=self.device)[None, :].expand(self.num_rows, pos.size)
-            self._deferred.append(("init", torch.as_tensor(slots, device=self.device), pos_t))
+            pos_t = self._upload(pos)[None, :].expand(self.num_rows, pos.size)
+            self._deferred.append(("init", self._upload(slots), pos_t))
         self._check()
         return slots
 
@@ -218,8 +220,7 @@ class VTokenCache(CacheQueries):
         rows, slots = self.table.mark_dead(req_id, km)
         if rows.size:
             self.tokens_evicted_total += int(rows.size)
-            self._deferred.append(("kill", torch.as_tensor(rows, device=self.device),
-                                   torch.as_tensor(slots, device=self.device)))
+            self._deferred.append(("kill", self._upload(rows), self._upload(slots)))
             self._check()
         return int(rows.size)
 
@@ -265,6 +266,14 @@ class VTokenCache(CacheQueries):
             for kind, a, b in ops:
                 (self.store.init_slots if kind == "init" else self.store.kill_slots)(a, b)
 
+    def _upload(self, a: np.ndarray) -> torch.Tensor:
+        """Host indices to the cache's device without synchronising (CUDA: pinned, non-blocking; the
+        caching host allocator keeps the staging memory alive until the copy ran)."""
+        t = torch.from_numpy(np.ascontiguousarray(a))
+        if self.device.type == "cpu":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
     @property
     def in_flight(self) -> bool:
         """True while a plan or deferred slot writes have not been fenced."""
@@ -292,8 +301,9 @@ class VTokenCache(CacheQueries):
             self.fence()
         elif self.in_flight:
             raise InvariantError("I3", "attention metadata requested while a plan is in flight (call fence())")
+        self.table.flush_mirror()
         rows = self._md_rows[:B]
-        rows.copy_(torch.as_tensor([st.row for st in states], dtype=torch.int64))
+        rows.copy_(self._upload(np.fromiter((st.row for st in states), dtype=np.int64, count=B)))
         torch.index_select(self.table.block_tables, 0, rows, out=self._md_bt[:B])
         torch.index_select(self.table.cache_lens, 0, rows, out=self._md_lens[:B])
         torch.index_select(self.table.logical_lens, 0, rows, out=self._md_logical[:B])

@@ -15,10 +15,18 @@ Every job is "rows ``src`` of a 2-D view go to rows ``dst`` of the same view", r
 ``index_select(view, 0, src_chunk, out=buf)`` then a scatter of the buffer's rows to ``dst_chunk``
 (``view.index_copy_`` on GPU; on CPU numpy's row ``put`` over the same memory, which is faster for
 scattered rows), with a buffer reused across chunks and plans (``chunk_bytes`` ~ L2/L3 sized). That is the torch path
-(CUDA always; CPU fallback). On CPU, by default (``cpu_path="auto"``, env ``VTOKEN_CPU_COPY``), a
-contiguous view instead goes through one pass of a numba kernel (``_copy_kernels``): each row is copied
-src -> dst directly in plan order, with streaming stores for jobs >= ``nt_min_bytes``; byte-identical
-to the torch path and ~2x its bandwidth (benchmarks/repack.py).
+(CPU fallback; CUDA when Triton is missing or ``gpu_runner="torch"``). On CPU, by default
+(``cpu_path="auto"``, env ``VTOKEN_CPU_COPY``), a contiguous view instead goes through one pass of a numba
+kernel (``_copy_kernels``): each row is copied src -> dst directly in plan order, with streaming stores
+for jobs >= ``nt_min_bytes``; byte-identical to the torch path and ~2x its bandwidth (benchmarks/repack.py).
+
+On CUDA, by default (``gpu_runner="auto"``, env ``VTOKEN_GPU_COPY``), a job runs on the Triton repack
+kernel (``kernels/repack_triton.move_rows``) when Triton imports: ``planner_mode="ordered"`` (default,
+correct for both planner modes: gather every source into a scratch buffer reused across jobs and
+plans, then scatter) or ``"compact"`` (one in-place launch; only for compact plans, whose sources and
+destinations are disjoint). Results are byte-identical to the torch path. ``gpu_runner="triton"`` forces
+the kernel for any device, CPU tensors included (under ``TRITON_INTERPRET=1``: how CPU tests prove the
+CUDA path's data movement); ``"torch"`` forces the torch path.
 
 Why overlapping source and destination sets are safe
   * compact: destinations are holes below the new length n, sources are live slots at or above n,
@@ -33,7 +41,12 @@ Why overlapping source and destination sets are safe
 Asynchrony: on CPU a single worker thread runs plans (torch kernels drop the GIL, so the engine
 overlaps with Python bookkeeping); on CUDA a side stream plus an event. ``fence()`` waits for the
 in-flight plan (CPU: joins the future and re-raises its error; CUDA: the current stream waits on the
-event). At most one plan is in flight (the cache fences before submitting the next: I4).
+event). At most one plan is in flight (the cache fences before submitting the next: I4). With
+``async_copy=False`` a CUDA plan runs on the current stream (stream-ordered: nothing to fence).
+``submit`` never synchronises the host with a CUDA device: the row ids of all jobs are packed into one
+pinned host buffer and copied with one non-blocking H2D copy on the stream that runs the jobs; the
+host buffer is kept referenced until the next ``fence``/``submit`` (and the caching host allocator
+records the copy's event), the device copy is ``record_stream``-ed on that stream.
 """
 
 from __future__ import annotations
@@ -52,6 +65,9 @@ from .slot_stats import SlotStore
 
 KV_LAYOUTS = ("generic", "vllm_cpu")
 CPU_PATHS = ("auto", "numba", "torch")
+GPU_RUNNERS = ("auto", "triton", "torch")
+PLANNER_MODES = ("ordered", "compact")
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 @dataclass
@@ -125,6 +141,25 @@ def _warm_kernels() -> None:
     k.run(np.zeros((4, 4), np.uint8), zero, one, 1 << 62)  # uint32 words (float32 stats)
 
 
+_REPACK: Any = None
+_REPACK_ERROR: str | None = None
+
+
+def _repack_kernels() -> Any:
+    """``kernels.repack_triton`` (imports triton: lazily, on first use), or None when it cannot import."""
+    global _REPACK, _REPACK_ERROR
+    if _REPACK is None and _REPACK_ERROR is None:
+        with _KERNELS_LOCK:
+            if _REPACK is None and _REPACK_ERROR is None:
+                try:
+                    from .kernels import repack_triton
+
+                    _REPACK = repack_triton
+                except Exception as e:  # triton missing or broken: the torch path still works
+                    _REPACK_ERROR = f"{type(e).__name__}: {e}"
+    return _REPACK
+
+
 def _run_cpu_kernel(view: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, nt_min_bytes: int) -> None:
     """Single pass: row ``src[i]`` -> row ``dst[i]`` for i in plan order, over the view's raw memory
     (one read + one write per moved byte; ``_copy_kernels`` explains why plan order is exact in both
@@ -171,6 +206,8 @@ class CopyEngine:
         async_copy: bool = True,
         chunk_bytes: int = 2 << 20,
         cpu_path: str | None = None,
+        gpu_runner: str | None = None,
+        planner_mode: str = "ordered",
     ) -> None:
         if kv_layout not in KV_LAYOUTS:
             raise ValueError(f"unknown kv_layout {kv_layout!r}; expected one of {KV_LAYOUTS}")
@@ -194,10 +231,26 @@ class CopyEngine:
         self._stream: torch.cuda.Stream | None = torch.cuda.Stream(self.device) if self._cuda else None
         self._lock = threading.Lock()
         # CPU jobs: "auto" = single-pass numba kernel when numba imports (else torch), "numba" (required),
-        # "torch" = the gather/scatter reference path. CUDA jobs always take the torch side-stream path.
+        # "torch" = the gather/scatter reference path.
         self.cpu_path: str = cpu_path or os.environ.get("VTOKEN_CPU_COPY", "auto")
         if self.cpu_path not in CPU_PATHS:
             raise ValueError(f"copy path {self.cpu_path!r} (cpu_path / VTOKEN_CPU_COPY); expected one of {CPU_PATHS}")
+        # Which runner moves a job's rows: "auto" = the Triton repack kernel for CUDA tensors when triton
+        # imports (else torch); "triton" = the kernel for every device (CPU tensors: TRITON_INTERPRET=1);
+        # "torch" = the gather/scatter path (CPU: cpu_path decides). Attributes: may be set after
+        # construction (e.g. ``cache.engine.gpu_runner = "triton"``).
+        self.gpu_runner: str = gpu_runner or os.environ.get("VTOKEN_GPU_COPY", "auto")
+        if self.gpu_runner not in GPU_RUNNERS:
+            raise ValueError(f"gpu_runner {self.gpu_runner!r} (gpu_runner / VTOKEN_GPU_COPY); expected one of "
+                             f"{GPU_RUNNERS}")
+        # Mode of the Triton kernel: "ordered" (gather to scratch, then scatter) is exact for both planner
+        # modes; "compact" (one in-place launch) only when every plan is compact (disjoint sets).
+        self.planner_mode: str = planner_mode
+        if self.planner_mode not in PLANNER_MODES:
+            raise ValueError(f"planner_mode {planner_mode!r}; expected one of {PLANNER_MODES}")
+        self._scratch: dict[tuple[int, str, int], torch.Tensor] = {}  # (element size, device, stream) -> rows
+        self._keepalive: list[torch.Tensor] = []  # index buffers of the last CUDA plan (until fence/submit)
+        self.jobs_run: dict[str, int] = {}  # runner -> jobs executed ("triton", "torch", "numba")
         # Kernel jobs moving at least this many bytes use streaming (non-temporal) stores: ~1.5x the
         # bandwidth for plans much larger than the caches, but the moved rows end up out of cache.
         self.nt_min_bytes = 4 << 20
@@ -301,12 +354,60 @@ class CopyEngine:
             return False
         return True
 
+    def _use_triton(self, view: torch.Tensor) -> bool:
+        """Whether the Triton repack kernel runs this job (see ``gpu_runner``)."""
+        runner = self.gpu_runner
+        if runner not in GPU_RUNNERS:
+            raise ValueError(f"gpu_runner {runner!r}; expected one of {GPU_RUNNERS}")
+        if runner == "torch" or (runner == "auto" and view.device.type != "cuda"):
+            return False
+        if _repack_kernels() is None:
+            if runner == "triton":
+                raise RuntimeError(f"gpu_runner='triton' but the repack kernel cannot be imported: {_REPACK_ERROR}")
+            return False
+        if view.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+            raise RuntimeError(f"gpu_runner='triton' on {view.device.type} tensors needs TRITON_INTERPRET=1 "
+                               "(set before triton is imported)")
+        return True
+
+    def _scratch_rows(self, view: torch.Tensor, rows: int) -> torch.Tensor:
+        """Scratch of at least ``rows x view.shape[1]`` integers of the view's element size, reused across
+        jobs and plans (one per element size, device and stream: the stream orders its reuse)."""
+        el, dev = view.element_size(), view.device
+        stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0
+        key = (el, str(dev), stream)
+        need = rows * view.shape[1]
+        buf = self._scratch.get(key)
+        if buf is None or buf.numel() < need:
+            size = max(need, 2 * buf.numel() if buf is not None else 0, 1 << 16)
+            buf = self._scratch[key] = torch.empty(size, dtype=_INT_OF_SIZE[el], device=dev)
+        return buf
+
+    def _run_triton(self, view: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        m = src.numel()
+        if m == 0:
+            return
+        if src.device != view.device:
+            src, dst = src.to(view.device, non_blocking=True), dst.to(view.device, non_blocking=True)
+        if self.planner_mode not in PLANNER_MODES:
+            raise ValueError(f"planner_mode {self.planner_mode!r}; expected one of {PLANNER_MODES}")
+        if self.planner_mode == "compact":
+            _repack_kernels().move_rows(view, src, dst, "compact")
+        else:
+            _repack_kernels().move_rows(view, src, dst, "ordered", scratch=self._scratch_rows(view, m))
+
     def run_jobs(self, jobs: list[Job]) -> None:
         """Execute jobs synchronously on the calling thread / current stream."""
         for view, src, dst in jobs:
+            if self._use_triton(view):
+                self._run_triton(view, src, dst)
+                self.jobs_run["triton"] = self.jobs_run.get("triton", 0) + 1
+                continue
             if self._use_kernel(view, src, dst):
                 _run_cpu_kernel(view, src, dst, self.nt_min_bytes)
+                self.jobs_run["numba"] = self.jobs_run.get("numba", 0) + 1
                 continue
+            self.jobs_run["torch"] = self.jobs_run.get("torch", 0) + 1
             if src.device != view.device:
                 src, dst = src.to(view.device, non_blocking=True), dst.to(view.device, non_blocking=True)
             buf = self._buffer(view.dtype, view.shape[1], view.device)
@@ -326,6 +427,33 @@ class CopyEngine:
                 else:
                     view.index_copy_(0, dst[i:j], b)
 
+    def _device_jobs(self, jobs: list[Job]) -> list[Job]:
+        """The jobs with their row ids on the device, on the current stream, without a host sync: every
+        distinct index tensor is packed into ONE pinned host buffer and copied with ONE non-blocking H2D
+        copy. Both buffers stay referenced until the next ``fence``/``submit`` (``_keepalive``); the device
+        buffer is also ``record_stream``-ed on the current stream."""
+        uniq: dict[int, torch.Tensor] = {}
+        for _, s, d in jobs:
+            uniq.setdefault(id(s), s)
+            uniq.setdefault(id(d), d)
+        offsets, total = {}, 0
+        for k, t in uniq.items():
+            offsets[k] = total
+            total += t.numel()
+        host = torch.empty(max(total, 1), dtype=torch.int64, pin_memory=True)
+        hv = host.numpy()
+        for k, t in uniq.items():
+            hv[offsets[k]:offsets[k] + t.numel()] = t.numpy()
+        dev = host.to(self.device, non_blocking=True)
+        dev.record_stream(torch.cuda.current_stream(self.device))
+        self._keepalive = [host, dev]
+
+        def on_dev(t: torch.Tensor) -> torch.Tensor:
+            o = offsets[id(t)]
+            return dev[o:o + t.numel()]
+
+        return [(v, on_dev(s), on_dev(d)) for v, s, d in jobs]
+
     def submit(self, plan: CopyPlan) -> None:
         """Start executing ``plan`` (asynchronously when enabled). The caller fenced the previous plan."""
         if self.in_flight:
@@ -335,18 +463,15 @@ class CopyEngine:
             return
         self.bytes_moved += plan.num_moves * self.row_bytes()
         self.plans_executed += 1
-        if self._cuda:
+        if self._cuda and self._async:
             assert self._stream is not None
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._stream):
-                dev_jobs = [(v, s.pin_memory().to(self.device, non_blocking=True),
-                             d.pin_memory().to(self.device, non_blocking=True)) for v, s, d in jobs]
-                self.run_jobs(dev_jobs)
-                for _, s, d in dev_jobs:
-                    s.record_stream(self._stream)
-                    d.record_stream(self._stream)
+                self.run_jobs(self._device_jobs(jobs))
                 self._event = torch.cuda.Event()
                 self._event.record(self._stream)
+        elif self._cuda:  # synchronous: stream-ordered on the caller's stream, nothing to fence
+            self.run_jobs(self._device_jobs(jobs))
         elif self._async:
             self._future = _executor().submit(self.run_jobs, jobs)
         else:
@@ -366,6 +491,7 @@ class CopyEngine:
             if self._event is not None:
                 ev, self._event = self._event, None
                 torch.cuda.current_stream(self.device).wait_event(ev)
+            self._keepalive = []  # the current stream now orders every later use after the copies
 
     def close(self) -> None:
         self.fence()

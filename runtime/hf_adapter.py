@@ -254,7 +254,8 @@ class HFSession:
 
     def prefill(self, req_ids: Sequence[Hashable], prompts: Sequence[Sequence[int]], evict: bool = True
                 ) -> torch.Tensor:
-        """Chunked prefill of whole prompts (``chunk_size`` tokens per forward), then eviction."""
+        """Chunked prefill of whole prompts (``chunk_size`` tokens per forward), then eviction (also after
+        every chunk but the last for budgets with ``when="chunks"``)."""
         for r, p in zip(req_ids, prompts, strict=True):
             self.prompt_lens[r] = self.cache.logical_len(r) + len(p)
         chunks = [self._chunks(len(p)) for p in prompts]
@@ -265,6 +266,9 @@ class HFSession:
             logits = self.forward([req_ids[i] for i in idx], piece)
             for j, i in enumerate(idx):
                 last_logits[i] = logits[j]
+            mid = [req_ids[i] for i in idx if step < len(chunks[i]) - 1]
+            if evict and mid:  # only budgets with when="chunks" evict between chunks
+                self.evict(mid, "chunk")
         if evict:
             self.evict(req_ids, "prefill")
         return torch.stack([x for x in last_logits if x is not None])

@@ -154,11 +154,21 @@ class TokenTable:
         self.max_blocks_per_request = max_blocks_per_request
         self.requests: dict[ReqId, RequestState] = {}
         self._free_rows: list[int] = list(range(max_requests - 1, -1, -1))
-        # Device mirror: allocated once, updated in place, never reallocated.
-        self.block_tables = torch.full((max_requests, max_blocks_per_request), -1, dtype=torch.int32,
-                                       device=device)
-        self.cache_lens = torch.zeros(max_requests, dtype=torch.int32, device=device)
-        self.logical_lens = torch.zeros(max_requests, dtype=torch.int32, device=device)
+        # Device mirror: allocated once, updated in place, never reallocated. Written through a host
+        # twin (numpy views; pinned on CUDA) and uploaded by flush_mirror() with non-blocking copies, so
+        # bookkeeping never synchronises with the device. On CPU the twin IS the mirror.
+        dev = torch.device(device)
+        self._on_device = dev.type != "cpu"
+        pin = self._on_device and torch.cuda.is_available()
+        shapes = {"block_tables": ((max_requests, max_blocks_per_request), -1), "cache_lens": ((max_requests,), 0),
+                  "logical_lens": ((max_requests,), 0)}
+        self._host: dict[str, torch.Tensor] = {}
+        for name, (shape, fill) in shapes.items():
+            host = torch.full(shape, fill, dtype=torch.int32, pin_memory=pin)
+            self._host[name] = host
+            setattr(self, name, host.to(dev) if self._on_device else host)
+        self._bt_np, self._lens_np, self._logical_np = (self._host[n].numpy() for n in shapes)
+        self._dirty: set[int] = set()
 
     # ---------------------------------------------------------------- lifecycle
     def get(self, req_id: ReqId) -> RequestState:
@@ -181,21 +191,33 @@ class TokenTable:
     def remove(self, req_id: ReqId) -> RequestState:
         st = self.get(req_id)
         del self.requests[req_id]
-        self.block_tables[st.row].fill_(-1)
-        self.cache_lens[st.row] = 0
-        self.logical_lens[st.row] = 0
+        self._write_row(st.row, (), 0, 0)
         self._free_rows.append(st.row)
         return st
 
     def sync_mirror(self, st: RequestState) -> None:
-        """Write ``st``'s block table and lengths into its mirror row (in place)."""
-        nb = len(st.blocks)
-        row = self.block_tables[st.row]
-        if nb:
-            row[:nb].copy_(torch.as_tensor(np.asarray(st.blocks, dtype=np.int32)))
-        row[nb:].fill_(-1)
-        self.cache_lens[st.row] = st.used
-        self.logical_lens[st.row] = st.logical_len
+        """Write ``st``'s block table and lengths into its mirror row (host twin; see :meth:`flush_mirror`)."""
+        self._write_row(st.row, st.blocks, st.used, st.logical_len)
+
+    def _write_row(self, row: int, blocks: Any, used: int, logical: int) -> None:
+        nb = len(blocks)
+        self._bt_np[row, :nb] = blocks
+        self._bt_np[row, nb:] = -1
+        self._lens_np[row] = used
+        self._logical_np[row] = logical
+        if self._on_device:
+            self._dirty.add(row)
+
+    def flush_mirror(self) -> None:
+        """Upload the rows written since the last flush (CUDA: non-blocking copies from pinned memory
+        of the row range; nothing to do on CPU). Every reader of the device mirror calls this first.
+        The host twin is written again only after the step's sampling has synchronised the stream."""
+        if not self._dirty:
+            return
+        a, b = min(self._dirty), max(self._dirty) + 1
+        self._dirty.clear()
+        for name, host in self._host.items():
+            getattr(self, name)[a:b].copy_(host[a:b], non_blocking=True)
 
     # ---------------------------------------------------------------- mutations (the only writers)
     def blocks_needed(self, req_id: ReqId, num_new_tokens: int) -> int:
@@ -395,6 +417,7 @@ class TokenTable:
                   f"request {st.req_id!r}: {len(st.blocks)} blocks / cache length {st.used} for "
                   f"{st.num_live} live tokens without holes")
         nb = len(st.blocks)
+        self.flush_mirror()
         mirror = self.block_tables[st.row, :nb].cpu().numpy()
         check(bool((mirror == np.asarray(st.blocks, dtype=np.int32)).all())
               and int(self.cache_lens[st.row]) == st.used, "I3",

@@ -7,7 +7,13 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-Phase = Literal["prefill", "decode"]
+Phase = Literal["chunk", "prefill", "decode"]
+When = Literal["prefill", "decode", "both", "chunks"]
+
+# phases in which each ``when`` evicts: "chunk" = after a prefill chunk that does not complete the
+# prompt, "prefill" = after the step that completes it, "decode" = after a generated token
+PHASES_OF: dict[str, tuple[str, ...]] = {"prefill": ("prefill",), "decode": ("decode",),
+                                         "both": ("prefill", "decode"), "chunks": ("chunk", "prefill", "decode")}
 
 
 class Budget(BaseModel):
@@ -19,7 +25,10 @@ class Budget(BaseModel):
     - ``min_tokens``: never shrink a request below this many tokens.
     - ``slack``: evict only when ``live > budget + slack`` (amortises work: one
       eviction frees ``slack`` tokens at once instead of one per decode step).
-    - ``when``: run eviction after prefill, during decode, or both.
+    - ``when``: run eviction after prefill, during decode, ``both`` (default), or ``chunks``: also after
+      every prefill chunk, so a long prompt never holds more than its budget plus one chunk. Opt-in:
+      later prompt tokens then attend only to what the earlier chunks kept (beyond the seed paper,
+      which evicts after prefill; its quality cost is measured by ``vtoken-cli eval --when chunks``).
 
     The budget of a request that has processed ``seq_len`` tokens is
     ``max(min_tokens, tokens)`` or ``max(min_tokens, floor(ratio * seq_len + 0.5))``.
@@ -31,7 +40,7 @@ class Budget(BaseModel):
     ratio: float | None = Field(default=None, gt=0.0, le=1.0, description="fraction of tokens kept")
     min_tokens: int = Field(default=0, ge=0)
     slack: int = Field(default=0, ge=0)
-    when: Literal["prefill", "decode", "both"] = "both"
+    when: When = "both"
 
     @model_validator(mode="after")
     def _one_of(self) -> Budget:
@@ -49,12 +58,16 @@ class Budget(BaseModel):
             raise ValueError(f"got eviction_ratio={eviction_ratio}, expected 0 <= r < 1; try 0.5")
         return cls(ratio=1.0 - eviction_ratio, **kw)  # type: ignore[arg-type]
 
-    def override(self, tokens: int | None = None, eviction_ratio: float | None = None) -> Budget:
+    def override(self, tokens: int | None = None, eviction_ratio: float | None = None,
+                 when: When | None = None) -> Budget:
         """This budget with its size replaced (a per-request override): ``tokens`` or ``eviction_ratio``
-        (at most one), keeping ``min_tokens``, ``slack`` and ``when``. No argument: ``self``."""
+        (at most one), keeping ``min_tokens``, ``slack`` and ``when`` (unless ``when`` is given). No
+        argument: ``self``."""
         if tokens is not None and eviction_ratio is not None:
             raise ValueError("got both tokens and eviction_ratio, expected at most one")
-        keep = {"min_tokens": self.min_tokens, "slack": self.slack, "when": self.when}
+        keep = {"min_tokens": self.min_tokens, "slack": self.slack, "when": when or self.when}
+        if when is not None and tokens is None and eviction_ratio is None:
+            return self.model_copy(update={"when": Budget(ratio=1.0, when=when).when})
         if tokens is not None:
             return Budget(tokens=int(tokens), **keep)  # type: ignore[arg-type]
         if eviction_ratio is not None:
@@ -77,6 +90,6 @@ class Budget(BaseModel):
     def should_evict(self, live: int, seq_len: int, phase: Phase, budget: int | None = None) -> bool:
         """True when a request with ``live`` cached tokens must be trimmed now (``budget``: a
         per-request override of :meth:`resolve`)."""
-        if self.when != "both" and self.when != phase:
+        if phase not in PHASES_OF[self.when]:
             return False
         return live > (self.resolve(seq_len) if budget is None else budget) + self.slack

@@ -2,16 +2,27 @@
 
     write_norms(layer, slots, k, v)            when K/V of new tokens are cached: key_norm / value_norm
     fold_probs(layer, md, probs, qpos, plen)   after attention, with its probabilities (HF: the same pass)
-    attention(layer, q, md, qpos, plen, scale) recompute the probabilities over the paged cache first
-                                               (vLLM: its kernels do not return them)
+    attention(layer, q, md, qpos, plen, scale) vLLM: its kernels do not return probabilities, so the
+                                               statistics are produced from the queries and the paged keys
+                                               by one of three backends (same rules, tested equal):
+
+        backend   where                what it computes
+        torch     reference, CPU       the probabilities over the paged cache, then fold_probs
+        triton    CUDA caches          two passes over the keys (row max / sum-of-exp, then per key the
+                                       reductions); no probability matrix (kernels.attn_stats_triton)
+        numba     CPU, when available  the same two passes compiled for the CPU (stats.cpu_kernel)
+
+    ``backend="auto"`` (env ``VTOKEN_STATS_BACKEND``) picks triton for CUDA caches, numba on CPU when the
+    kernel module imports, torch otherwise.
 
 Only the statistics in ``stat_names`` are collected; the rules are :mod:`.reference`'s.
 """
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -25,7 +36,8 @@ class StatsCollector:
     """Collects into ``cache`` (a :class:`~vtoken_runtime.cache.VTokenCache`); ``group_size`` = query heads
     per KV head. ``seconds`` accumulates the time spent (statistics cost, reported by benchmarks)."""
 
-    def __init__(self, cache: Any, stat_names: Iterable[str], config: StatsConfig | None, group_size: int) -> None:
+    def __init__(self, cache: Any, stat_names: Iterable[str], config: StatsConfig | None, group_size: int,
+                 backend: str | None = None) -> None:
         names = set(stat_names)
         self.cache = cache
         self.cfg = config or StatsConfig()
@@ -33,6 +45,8 @@ class StatsCollector:
         self.attn = tuple(n for n in ATTENTION_STATS if n in names)
         self.kv = tuple(n for n in KV_STATS if n in names)
         self.seconds = 0.0
+        self.backend = resolve_backend(backend, cache.device)
+        self._kernel = kernel_for(self.backend)
 
     def write_norms(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Key/value norms of freshly cached tokens: ``k, v [T, H_kv, D]`` at physical ``slots [T]``."""
@@ -60,11 +74,58 @@ class StatsCollector:
 
     def attention(self, layer: int, query: torch.Tensor, md: Any, query_pos: torch.Tensor,
                   prompt_lens: torch.Tensor, scale: float | None = None) -> None:
-        """Recompute the probabilities of ``query [B, Q, H_q, D]`` over the paged cache, then fold them."""
+        """Statistics of ``query [B, Q, H_q, D]`` over the paged cache (see module doc for the backends)."""
         if not self.attn:
             return
         t0 = time.perf_counter()
-        _, probs = self.cache.attention(layer, query, md, query_pos, return_probs=True, scale=scale)
-        assert probs is not None
+        if self._kernel is None:
+            _, probs = self.cache.attention(layer, query, md, query_pos, return_probs=True, scale=scale)
+            assert probs is not None
+            self.seconds += time.perf_counter() - t0
+            self.fold_probs(layer, md, probs, query_pos, prompt_lens)
+            return
+        cache, cfg = self.cache, self.cfg
+        if cache.in_flight:
+            cache.fence()
+        self._kernel(query, cache.key_cache(layer), md.block_tables, md.cache_lens, query_pos,
+                     cache.key_positions(layer), {n: cache.stats_tensor(n)[layer] for n in self.attn}, scale=scale,
+                     obs_window=cfg.obs_window, history_window=cfg.history_window,
+                     low_attn_threshold=cfg.low_attn_threshold, prompt_lens=prompt_lens)
         self.seconds += time.perf_counter() - t0
-        self.fold_probs(layer, md, probs, query_pos, prompt_lens)
+
+
+BACKENDS = ("auto", "torch", "triton", "numba")
+
+
+def resolve_backend(backend: str | None, device: torch.device) -> str:
+    """The statistics backend for a cache on ``device``: explicit, env ``VTOKEN_STATS_BACKEND``, or auto."""
+    b = backend or os.environ.get("VTOKEN_STATS_BACKEND", "auto")
+    if b not in BACKENDS:
+        raise ValueError(f"statistics backend {b!r} (VTOKEN_STATS_BACKEND); expected one of {BACKENDS}")
+    if b != "auto":
+        return b
+    if torch.device(device).type == "cuda":
+        return "triton"
+    return "torch"  # TODO(numba): switch once the CPU kernel lands
+
+
+def _numba_kernel() -> Callable[..., None] | None:
+    try:
+        from .cpu_kernel import numba_available, update_attn_stats_cpu
+    except ImportError:
+        return None
+    return update_attn_stats_cpu if numba_available() else None
+
+
+def kernel_for(backend: str) -> Callable[..., None] | None:
+    """The in-place update function of a compiled backend (``update_attn_stats`` signature), None for torch."""
+    if backend == "triton":
+        from ..kernels.attn_stats_triton import update_attn_stats
+
+        return update_attn_stats
+    if backend == "numba":
+        k = _numba_kernel()
+        if k is None:
+            raise RuntimeError("statistics backend 'numba' requested but numba (or the kernel) is unavailable")
+        return k
+    return None

@@ -28,6 +28,7 @@ __all__ = ["PluginConfig", "RequestOptions", "register", "request_options", "ser
 
 SCHEDULER_CLS = "vtoken_runtime.vllm_plugin.scheduler.VTokenScheduler"
 WORKER_CLS = "vtoken_runtime.vllm_plugin.worker.VTokenCPUWorker"
+GPU_WORKER_CLS = "vtoken_runtime.vllm_plugin.gpu_worker.VTokenGPUWorker"
 FRONTEND_CLS = "vtoken_runtime.vllm_plugin.frontend:VTokenOptions"
 
 log = logging.getLogger("vtoken.vllm")
@@ -53,18 +54,34 @@ def register() -> None:
     log.debug("vtoken plugin registered (enable per engine with vllm_engine_args())")
 
 
+def _on_cuda() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:  # pragma: no cover
+        return False
+
+
 def vllm_engine_args(policy: str | None = "none", mode: str = "compact", eviction_ratio: float | None = None,
                      budget_tokens: int | None = None, policy_name: str | None = None, debug: bool = False,
-                     **extra: Any) -> dict[str, Any]:
+                     device: str | None = None, when: str | None = None, **extra: Any) -> dict[str, Any]:
     """Keyword arguments for ``vllm.LLM(...)`` / ``EngineArgs(...)`` that enable vToken.
 
     ``policy``: shipped name (``h2o``, ``scissorhands``, ...), a policy file, or ``"none"``;
     ``mode``: ``compact`` | ``ordered`` | ``naive`` (Naive-Evict baseline); ``eviction_ratio`` /
-    ``budget_tokens`` override the policy budget. ``extra`` is merged (e.g. ``additional_config``).
+    ``budget_tokens`` override the policy budget, ``when`` its eviction points (``"chunks"``: also after
+    every prefill chunk); ``device``: ``"cpu"`` | ``"cuda"`` picks the worker
+    (default: CUDA when torch sees a GPU). ``extra`` is merged (e.g. ``additional_config``). On CUDA a
+    policy that reads statistics gets PIECEWISE CUDA graphs unless ``compilation_config`` is given (the
+    GPU worker enforces it too; see ``gpu_worker``).
     """
     cfg = PluginConfig(policy=policy, mode=mode, eviction_ratio=eviction_ratio, budget_tokens=budget_tokens,
-                       policy_name=policy_name, debug=debug)
-    cfg.load_policy()  # fail fast, in the caller's process, on a bad policy
+                       policy_name=policy_name, debug=debug, when=when)
+    pol = cfg.load_policy()  # fail fast, in the caller's process, on a bad policy
+    if device not in (None, "cpu", "cuda"):
+        raise ValueError(f"vtoken: device {device!r}; expected 'cpu' or 'cuda'")
+    cuda = _on_cuda() if device is None else device == "cuda"
     if extra.get("enable_prefix_caching"):
         raise ValueError("vtoken: prefix caching is not supported with token eviction (a shared block would be "
                          "compacted under another request); leave enable_prefix_caching unset")
@@ -76,9 +93,15 @@ def vllm_engine_args(policy: str | None = "none", mode: str = "compact", evictio
     additional = dict(extra.pop("additional_config", None) or {})
     additional["vtoken"] = cfg.to_dict()
     procs = [p for p in (extra.pop("logits_processors", None) or []) if p != FRONTEND_CLS]
-    args = {"scheduler_cls": SCHEDULER_CLS, "worker_cls": WORKER_CLS, "enable_prefix_caching": False,
+    args = {"scheduler_cls": SCHEDULER_CLS, "worker_cls": GPU_WORKER_CLS if cuda else WORKER_CLS,
+            "enable_prefix_caching": False,
             "async_scheduling": False, "additional_config": additional,
             "logits_processors": [FRONTEND_CLS, *procs]}  # validates per-request options at admission
+    from vtoken_sdk.stats import ATTENTION_STATS, KV_STATS
+
+    collected = set(ATTENTION_STATS) | set(KV_STATS)
+    if cuda and pol is not None and collected & set(pol.stored_reads) and "compilation_config" not in extra:
+        args["compilation_config"] = {"cudagraph_mode": "PIECEWISE"}  # statistics run around the attention op
     args.update(extra)
     return args
 
@@ -90,4 +113,5 @@ def serve_flags(**kw: Any) -> list[str]:
     a = vllm_engine_args(**kw)
     return ["--scheduler-cls", a["scheduler_cls"], "--worker-cls", a["worker_cls"], "--no-enable-prefix-caching",
             "--no-async-scheduling", "--additional-config", json.dumps(a["additional_config"]),
-            "--logits-processors", *a["logits_processors"]]
+            "--logits-processors", *a["logits_processors"],
+            *(["--compilation-config", json.dumps(a["compilation_config"])] if "compilation_config" in a else [])]

@@ -13,6 +13,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from vtoken_sdk.budget import PHASES_OF
+
 log = logging.getLogger("vtoken.vllm")
 
 CONFIG_KEY = "vtoken"
@@ -32,6 +34,7 @@ class PluginConfig:
                     is dead; the scheduler holds the naive block count)
     eviction_ratio  overrides the policy budget with ``Budget.evict(r)`` (keeps its slack/when/min)
     budget_tokens   overrides the policy budget with an absolute token count
+    when            overrides the budget's ``when`` (``chunks``: also evict after every prefill chunk)
     policy_name     which policy of a multi-policy file (default: the first)
     debug           full invariant checks of the token table after every step (slow)
     """
@@ -42,6 +45,7 @@ class PluginConfig:
     budget_tokens: int | None = None
     policy_name: str | None = None
     debug: bool = False
+    when: str | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -50,6 +54,8 @@ class PluginConfig:
             raise ValueError(f"vtoken: eviction_ratio must lie in [0, 1), got {self.eviction_ratio}")
         if self.budget_tokens is not None and int(self.budget_tokens) < 1:
             raise ValueError(f"vtoken: budget_tokens must be >= 1, got {self.budget_tokens}")
+        if self.when is not None and self.when not in PHASES_OF:
+            raise ValueError(f"vtoken: unknown when {self.when!r}; expected one of {sorted(PHASES_OF)}")
 
     @property
     def enabled(self) -> bool:
@@ -57,7 +63,7 @@ class PluginConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {"policy": self.policy, "mode": self.mode, "eviction_ratio": self.eviction_ratio,
-                "budget_tokens": self.budget_tokens, "policy_name": self.policy_name, "debug": self.debug}
+                "budget_tokens": self.budget_tokens, "policy_name": self.policy_name, "debug": self.debug, "when": self.when}
 
     @classmethod
     def from_vllm_config(cls, vllm_config: Any) -> PluginConfig:
@@ -85,9 +91,9 @@ class PluginConfig:
         if not self.enabled:
             return None
         pol = _load_policy(str(self.policy), self.policy_name)
-        if self.eviction_ratio is not None or self.budget_tokens is not None:
+        if self.eviction_ratio is not None or self.budget_tokens is not None or self.when is not None:
             ratio = None if self.budget_tokens is not None else self.eviction_ratio  # budget_tokens wins
-            pol = pol.configure(budget=pol.budget.override(self.budget_tokens, ratio))
+            pol = pol.configure(budget=pol.budget.override(self.budget_tokens, ratio, self.when))  # type: ignore[arg-type]
         return pol
 
 

@@ -1,18 +1,17 @@
 """Worker side of the vLLM plugin: the token table, eviction and reclamation on the real KV tensors.
 
-``VTokenCPUWorker`` is vLLM's ``CPUWorker`` whose model runner is switched (after construction) to
-``VTokenCPUModelRunner``. Per engine step:
+``VTokenCPUWorker`` is vLLM's ``CPUWorker`` whose model runner gets :class:`VTokenRunnerMixin` after
+construction (:func:`install_runner`); ``gpu_worker.VTokenGPUWorker`` does the same to vLLM's GPU
+runner (vLLM's CPU runner is a ``GPUModelRunner`` subclass, so the hooks are the same methods). The
+only per-device piece is ``_vt_kv_access`` (how the cache reaches the K/V tensors). Per engine step:
 
     _update_states      fence the previous plan (I3: the scheduler may hand freed blocks to others,
                         and vLLM zeroes new blocks before any input preparation); forget finished and
                         preempted requests (recompute: they come back with num_computed_tokens = 0)
     _prepare_inputs     vLLM builds inputs from TRUE positions (RoPE, stop checks untouched); then
-                        every request reserves its new tokens in the VTokenCache (block ids come from
-                        the request's vLLM block-table row), and the slot mapping and ``seq_lens`` are
-                        rewritten by CACHE length: slot of new token i = row[(used + i) // bs] * bs +
-                        (used + i) % bs, seq_len = used + n. Causal alignment of the chunk is
-                        ``seq_len - query_len`` as before; the cached prefix may be in any order
-                        (RoPE was applied before caching).
+                        :func:`.step_inputs.place_new_tokens` reserves every request's new tokens and
+                        the slot mapping, ``seq_lens`` and ``optimistic_seq_lens_cpu`` are rewritten in
+                        place by CACHE length (see that module for the picture).
     forward             the unmodified paged kernel; the impl wrapper collects the declared statistics
     sample_tokens       after sampling: requests whose prompt is complete and whose live count exceeds
                         budget + slack are evicted (one batched keep-mask call of the compiled policy),
@@ -40,7 +39,6 @@ import numpy as np
 import torch
 
 from vtoken_runtime.block_pool import BlockPool
-from vtoken_runtime.copy_engine import CopyEngine
 from vtoken_runtime.eviction import EvictionDriver
 from vtoken_runtime.stats import StatsCollector
 from vtoken_runtime.token_table import cdiv
@@ -48,6 +46,7 @@ from vtoken_runtime.token_table import cdiv
 from .collector import StepContext, VTokenAttentionImpl, build_step_index
 from .config import PluginConfig, RequestOptions, describe_policy, request_options
 from .metrics import record_step
+from .step_inputs import place_new_tokens, true_positions
 
 log = logging.getLogger("vtoken.vllm")
 
@@ -79,109 +78,8 @@ class ExternalPool(BlockPool):
         return out
 
 
-def probe_cpu_kv_layout(isa: str, dtype: torch.dtype, block_size: int, head_size: int
-                        ) -> tuple[np.ndarray, np.ndarray]:
-    """Where vLLM's CPU ``reshape_and_cache`` puts token t, dim d of K and V inside one (block, head)
-    region of ``2 * block_size * head_size`` elements: ``(kmap, vmap)`` int64 ``[block_size, head_size]``.
-
-    The layout depends on the kernel ISA (with ``vec`` fp32, K is stored dim-major ``[D, bs]`` and V
-    token-major ``[bs, D]``), so it is measured once with the real op instead of assumed.
-    """
-    from vllm import _custom_ops as ops
-
-    bs, D = block_size, head_size
-    R = 2 * bs * D
-
-    def run(kfill: torch.Tensor, vfill: torch.Tensor) -> torch.Tensor:
-        kv = torch.zeros(1, 1, bs, 2 * D, dtype=dtype)
-        view = kv.view(1, 1, 2 * bs, D)
-        kc, vc = view.chunk(2, dim=2)
-        ops.cpu_attn_reshape_and_cache(kfill.to(dtype).contiguous(), vfill.to(dtype).contiguous(), kc, vc, torch.arange(bs, dtype=torch.int64),
-                                       isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
-        return kv.reshape(-1).float()
-
-    t_code = (torch.arange(bs, dtype=torch.float32) + 1)[:, None, None].expand(bs, 1, D)
-    d_code = (torch.arange(D, dtype=torch.float32) + 1)[None, None, :].expand(bs, 1, D)
-    zero = torch.zeros(bs, 1, D)
-    maps = []
-    for is_k in (True, False):
-        ft = run(t_code, zero) if is_k else run(zero, t_code)
-        fd = run(d_code, zero) if is_k else run(zero, d_code)
-        pos = torch.nonzero(ft != 0).flatten()
-        if pos.numel() != bs * D:
-            raise RuntimeError(f"vtoken: cannot probe the CPU KV layout for isa={isa!r} (found {pos.numel()} cells)")
-        m = np.full((bs, D), -1, dtype=np.int64)
-        m[(ft[pos] - 1).long().numpy(), (fd[pos] - 1).long().numpy()] = pos.numpy()
-        if (m < 0).any() or np.unique(m).size != bs * D or m.max() >= R:
-            raise RuntimeError(f"vtoken: CPU KV layout for isa={isa!r} is not a permutation of the block")
-        maps.append(m)
-    return maps[0], maps[1]
-
-
-class VllmCpuCopyEngine(CopyEngine):
-    """Copy engine for vLLM's CPU KV tensors ``[NB, H, bs, 2D]`` whose inner layout was probed
-    (:func:`probe_cpu_kv_layout`). Moves single elements of a flat view: a token-head move is
-    ``2 * D`` element moves (K and V), whatever the ISA's layout."""
-
-    def __init__(self, *args: Any, kmap: np.ndarray, vmap: np.ndarray, **kwargs: Any) -> None:
-        self.kmap, self.vmap = kmap, vmap
-        super().__init__(*args, **kwargs)
-
-    def _kv_views(self, t: Any) -> list[torch.Tensor]:
-        if isinstance(t, tuple) or tuple(t.shape) != (self.nb, self.H, self.bs, 2 * self.D):
-            raise ValueError(f"vLLM CPU layer cache must be [{self.nb}, {self.H}, {self.bs}, {2 * self.D}]")
-        if not t.is_contiguous():
-            raise ValueError("vLLM CPU layer cache must be contiguous to be moved in place")
-        return [t.view(-1, 1)]
-
-    def _kv_index(self, slots: np.ndarray, heads: np.ndarray | None) -> np.ndarray:
-        H, bs, D = self.H, self.bs, self.D
-        R = 2 * bs * D
-        blk, off = slots // bs, slots % bs
-        if heads is None:
-            region = (blk[:, None] * H + np.arange(H, dtype=np.int64)) * R  # [m, H]
-            kv = np.concatenate([self.kmap[off], self.vmap[off]], axis=1)  # [m, 2D]
-            return (region[:, :, None] + kv[:, None, :]).reshape(-1)
-        region = (blk * H + heads) * R
-        kv = np.concatenate([self.kmap[off], self.vmap[off]], axis=1)
-        return (region[:, None] + kv).reshape(-1)
-
-    def row_bytes(self) -> int:
-        el = self._views[0][0].element_size() if self._views else 4
-        per_lh = 2 * self.D * el
-        return per_lh if self.per_head else per_lh * self.H * len(self._views)
-
-
-def _affine(m: np.ndarray) -> tuple[int, int, int] | None:
-    """``(offset, stride_t, stride_d)`` if ``m[t, d] = offset + t * st + d * sd``, else None."""
-    o = int(m[0, 0])
-    st = int(m[1, 0] - o) if m.shape[0] > 1 else 0
-    sd = int(m[0, 1] - o) if m.shape[1] > 1 else 0
-    t = np.arange(m.shape[0])[:, None]
-    d = np.arange(m.shape[1])[None, :]
-    return (o, st, sd) if bool((m == o + t * st + d * sd).all()) else None
-
-
-def vllm_cpu_views(kv_caches: Sequence[torch.Tensor], kmap: np.ndarray, vmap: np.ndarray
-                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``[NB, bs, H, D]`` (K, V) views of vLLM's CPU caches ``[NB, H, bs, 2D]`` for the probed layout
-    (:func:`probe_cpu_kv_layout`), which must be affine per block (true for the ``vec`` ISA in fp32)."""
-    ka, va = _affine(kmap), _affine(vmap)
-    if ka is None or va is None:
-        raise ValueError(f"vtoken: the CPU KV layout of {kv_caches[0].dtype} is not affine per block; "
-                         "the torch reference views cannot address it (use float32 or another ISA)")
-    bs, D = kmap.shape
-    out = []
-    for t in kv_caches:
-        H = t.shape[1]
-        R = 2 * bs * D
-        out.append(tuple(t.as_strided((t.shape[0], bs, H, D), (H * R, st, R, sd), t.storage_offset() + o)
-                         for o, st, sd in (ka, va)))
-    return out  # type: ignore[return-value]
-
-
 class VTokenRunnerMixin:
-    """Mixed into vLLM's CPU model runner (see module doc). Attributes are prefixed ``_vt``; the runner
+    """Mixed into vLLM's model runner (see module doc). Attributes are prefixed ``_vt``; the runner
     only adapts vLLM's metadata: eviction is :class:`~vtoken_runtime.eviction.EvictionDriver`'s and the
     statistics :class:`~vtoken_runtime.stats.StatsCollector`'s, shared with the HF adapter."""
 
@@ -200,6 +98,8 @@ class VTokenRunnerMixin:
         self.vtoken_trace: dict[str, list[tuple[int, int, np.ndarray]]] | None = None
         self._vt_times = {"prepare_seconds": 0.0, "steps": 0}
         self._vt_rank = 0
+        # pinned host -> device lengths; overwritten only after the step's sampling has synchronised
+        self._vt_seq_lens = self._make_buffer(self.max_num_reqs, dtype=torch.int32)
 
     @property
     def vtoken_counters(self) -> dict[str, float]:
@@ -237,20 +137,16 @@ class VTokenRunnerMixin:
         pol = self._vt_policy
         stat_names = tuple(sorted(pol.stored_reads)) if pol is not None else ()
         sched = self.vllm_config.scheduler_config
-        # torch copy path unless the user chose: numba must stay out of vLLM processes (see register())
-        copy_path = os.environ.setdefault("VTOKEN_CPU_COPY", "torch")
-        kmap, vmap = probe_cpu_kv_layout(getattr(layers[names[0]], "isa", None) or "vec", kv[0].dtype, bs, d2 // 2)
         self._vt_pool = ExternalPool(nb, debug=self._vt_cfg.debug)
         cache = VTokenCache(
             num_layers=len(names), num_kv_heads=H, head_size=d2 // 2, block_size=bs, num_blocks=nb,
             granularity=pol.granularity if pol is not None else "request",
             mode="compact" if self._vt_cfg.mode == "naive" else self._vt_cfg.mode,
-            kv_layout="vllm_cpu", dtype=kv[0].dtype, device=kv[0].device, stat_names=stat_names,
+            dtype=kv[0].dtype, device=kv[0].device, stat_names=stat_names,
             max_requests=int(sched.max_num_seqs) + 8,
             max_blocks_per_request=cdiv(int(self.max_model_len), bs) + 2,
-            kv_caches=list(kv), async_copy=True, debug=self._vt_cfg.debug, copy_path=copy_path,
-            kv_views=vllm_cpu_views(kv, kmap, vmap), pool=self._vt_pool,
-            copy_engine=partial(VllmCpuCopyEngine, kmap=kmap, vmap=vmap))
+            kv_caches=list(kv), async_copy=True, debug=self._vt_cfg.debug, pool=self._vt_pool,
+            **self._vt_kv_access(kv, layers[names[0]], spec))
         self._vt_cache = cache
         self._vt_rank, collective = _tp_collective(pol)
         self._vt_driver = EvictionDriver(cache, collective=collective)
@@ -264,6 +160,18 @@ class VTokenRunnerMixin:
         if self._vt_rank == 0:
             log.info("vtoken: %s; mode=%s; KV cache %d blocks x %d tokens, %d layers x %d KV heads on this rank",
                      describe_policy(pol), self._vt_cfg.mode, nb, bs, len(names), H)
+
+    def _vt_kv_access(self, kv: list[torch.Tensor], layer: Any, spec: Any) -> dict[str, Any]:
+        """How the cache reaches vLLM's K/V tensors (``VTokenCache`` keyword arguments). CPU: the layout
+        probed with the real op (:mod:`.cpu_layout`); the GPU runner overrides this (:mod:`.gpu_worker`)."""
+        from .cpu_layout import VllmCpuCopyEngine, probe_cpu_kv_layout, vllm_cpu_views
+
+        _, _, bs, d2 = kv[0].shape
+        # torch copy path unless the user chose: numba must stay out of vLLM processes (see register())
+        copy_path = os.environ.setdefault("VTOKEN_CPU_COPY", "torch")
+        kmap, vmap = probe_cpu_kv_layout(getattr(layer, "isa", None) or "vec", kv[0].dtype, bs, d2 // 2)
+        return {"kv_layout": "vllm_cpu", "copy_path": copy_path, "kv_views": vllm_cpu_views(kv, kmap, vmap),
+                "copy_engine": partial(VllmCpuCopyEngine, kmap=kmap, vmap=vmap)}
 
     @property
     def vtoken_cache(self) -> Any:
@@ -340,38 +248,30 @@ class VTokenRunnerMixin:
         bt = ib.block_table[0]
         qsl = self.query_start_loc.np[: num_reqs + 1]
         computed = ib.num_computed_tokens_cpu[:num_reqs]
-        slot_np = bt.slot_mapping.np
-        seq = np.zeros(num_reqs, dtype=np.int32)
+        seq = place_new_tokens(cache, self._vt_pool, req_ids, num_scheduled_tokens, computed, bt.block_table.np,
+                               bt.num_blocks_per_row, qsl, bt.slot_mapping.np, self._vt_add)
+        total = int(qsl[num_reqs])
+        positions = true_positions(computed, num_scheduled_tokens[:num_reqs])
         for i, rid in enumerate(req_ids):
             n = int(num_scheduled_tokens[i])
-            start = int(computed[i])
-            known = cache.has_request(rid)
-            if known and cache.logical_len(rid) != start:  # reset behind our back (recompute)
-                cache.free(rid)
-                known = False
-            if not known:
-                if start != 0:
-                    raise RuntimeError(f"vtoken: request {rid} starts at position {start} without a token-table "
-                                       "entry (prefix caching / KV transfer are not supported)")
-                self._vt_add(rid)
-            self._vt_pool.feed(bt.block_table.np[i, cache.held_blocks(rid):int(bt.num_blocks_per_row[i])])
-            slots = cache.reserve(rid, n)
-            if slots is None:  # ExternalPool raises instead; kept for clarity
-                raise RuntimeError(f"vtoken: no blocks for request {rid}")
-            slot_np[qsl[i]:qsl[i + 1]] = slots
-            seq[i] = cache.cache_len(rid)
-            if self.vtoken_trace is not None:  # tests: the key set each query of this step attends to
-                self.vtoken_trace.setdefault(rid, []).append((start, n, cache.live_view(rid)[0].copy()))
             self._vt_n_sched[rid] = n
-        total = int(qsl[num_reqs])
+            if self.vtoken_trace is not None:  # tests: the key set each query of this step attends to
+                self.vtoken_trace.setdefault(rid, []).append((int(computed[i]), n, cache.live_view(rid)[0].copy()))
+        # In place, into vLLM's persistent buffers (stable addresses for CUDA graphs): slots, the device
+        # lengths (non-blocking from pinned memory) and the host upper bound behind max_seq_len.
         bt.slot_mapping.copy_to_gpu(total)
-        self.seq_lens[:num_reqs].copy_(torch.from_numpy(seq).to(self.seq_lens.device))
+        lens = self._vt_seq_lens
+        lens.np[:num_reqs] = seq
+        self.seq_lens[:num_reqs].copy_(lens.cpu[:num_reqs], non_blocking=True)
+        self.optimistic_seq_lens_cpu[:num_reqs].copy_(lens.cpu[:num_reqs])
         sel = [i for i, rid in enumerate(req_ids) if self._vt_eligible(rid)]
         if self._vt_collector is not None and self._vt_collector.attn and sel:
             md = cache.attention_metadata([req_ids[i] for i in sel])  # fences the deferred slot writes
-            tok, qpos = build_step_index(qsl, self.positions[:total].cpu().numpy(), sel)
+            tok, qpos = build_step_index(qsl, positions, sel)
             plen = torch.as_tensor([self.requests[req_ids[i]].num_prompt_tokens for i in sel], dtype=torch.int64)
-            self._vt_step = StepContext([req_ids[i] for i in sel], md, tok, qpos, plen, True)
+            dev = cache.device
+            self._vt_step = StepContext([req_ids[i] for i in sel], md, tok.to(dev, non_blocking=True),
+                                        qpos.to(dev, non_blocking=True), plen.to(dev, non_blocking=True), True)
         else:
             cache.fence()
             self._vt_step = StepContext([], None, torch.zeros(0), torch.zeros(0), torch.zeros(0), False)
@@ -406,9 +306,10 @@ class VTokenRunnerMixin:
                 continue
             seq = cache.logical_len(rid)
             plen = int(self.requests[rid].num_prompt_tokens)
-            if seq < plen:
-                continue  # mid-prompt chunk: evict once the prompt is complete
-            phases[rid] = "prefill" if seq - self._vt_n_sched.get(rid, 0) < plen else "decode"
+            if seq < plen:  # mid-prompt chunk: only budgets with when="chunks" evict here
+                phases[rid] = "chunk"
+            else:
+                phases[rid] = "prefill" if seq - self._vt_n_sched.get(rid, 0) < plen else "decode"
         if not phases:
             return {}
         step = self._vt_driver.step(list(phases), phases)
@@ -460,8 +361,11 @@ def _tp_collective(policy: Any) -> tuple[int, TPCollective | None]:
     return group.rank_in_group, TPCollective(group)
 
 
-def _runner_class(base: type) -> type:
-    return type(f"VToken{base.__name__}", (VTokenRunnerMixin, base), {})
+def install_runner(runner: Any, mixin: type) -> None:
+    """Give vLLM's model runner the vToken hooks: its class becomes ``(mixin, type(runner))`` (no vLLM
+    file changes; the runner keeps its state) and the plugin state is set up."""
+    runner.__class__ = type(f"VToken{type(runner).__name__}", (mixin, type(runner)), {})
+    runner._vt_setup()
 
 
 try:  # vLLM is optional for importing this module's helpers
@@ -475,8 +379,6 @@ class VTokenCPUWorker(_CPUWorker):  # type: ignore[misc,valid-type]
 
     def init_device(self) -> None:
         super().init_device()
-        runner = self.model_runner
         if getattr(self, "use_v2_model_runner", False):
             raise ValueError("vtoken: the V2 model runner is not supported; set VLLM_USE_V2_MODEL_RUNNER=0")
-        runner.__class__ = _runner_class(type(runner))
-        runner._vt_setup()
+        install_runner(self.model_runner, VTokenRunnerMixin)

@@ -32,8 +32,10 @@ def _restrict(cache: Any, cur: list[np.ndarray], kept: np.ndarray, num_layers: i
 
 @torch.inference_mode()
 def dense_greedy(model: Any, prompt: Sequence[int], max_new_tokens: int,
-                 keep_log: Sequence[tuple[int, np.ndarray]] = ()) -> list[int]:
-    """Greedy decoding with a dense cache restricted to the kept sets of ``keep_log``."""
+                 keep_log: Sequence[tuple[int, np.ndarray]] = (), chunk_size: int | None = None) -> list[int]:
+    """Greedy decoding with a dense cache restricted to the kept sets of ``keep_log``. ``chunk_size``:
+    the prompt is fed in chunks of that size and a kept set recorded at a chunk boundary (eviction
+    during prefill, ``Budget(when="chunks")``) restricts the cache before the next chunk."""
     from transformers import DynamicCache
 
     cfg = model.config
@@ -44,11 +46,15 @@ def dense_greedy(model: Any, prompt: Sequence[int], max_new_tokens: int,
         keeps = dict(keep_log)
         cache = DynamicCache(config=cfg)
         n = len(prompt)
-        out = model(input_ids=torch.tensor([list(prompt)]), position_ids=torch.arange(n)[None], past_key_values=cache,
-                    use_cache=True)
-        cur = [np.tile(np.arange(n), (H, 1)) for _ in range(L)]
-        if n in keeps:
-            _restrict(cache, cur, keeps[n], L, H)
+        step = chunk_size or n
+        cur = [np.zeros((H, 0), dtype=np.int64) for _ in range(L)]
+        for a in range(0, n, step):
+            b = min(n, a + step)
+            out = model(input_ids=torch.tensor([list(prompt[a:b])]), position_ids=torch.arange(a, b)[None],
+                        past_key_values=cache, use_cache=True)
+            cur = [np.concatenate([c, np.tile(np.arange(a, b), (H, 1))], axis=1) for c in cur]
+            if b in keeps:
+                _restrict(cache, cur, keeps[b], L, H)
         gen: list[int] = []
         pos = n
         for step in range(max_new_tokens):

@@ -51,6 +51,41 @@ def test_compacted_greedy_equals_dense_restricted_to_kept_sets(factory, case, mo
     assert not s.requests["a"].failures
 
 
+@pytest.mark.parametrize("name", ["h2o", "streaming_llm", "tova"])
+@pytest.mark.parametrize("granularity", ["head", "request"])
+def test_eviction_during_chunked_prefill_is_exact_and_bounds_the_peak(name: str, granularity: str) -> None:
+    """``Budget(when="chunks")``: eviction after every prefill chunk. Greedy tokens equal the dense model fed
+    the same chunks with each recorded kept set applied at its boundary, and no request ever holds more
+    than its budget plus one chunk (the point of the option)."""
+    model = tiny_llama()
+    pol = _small(vtoken_policies.load(name))
+    pol = pol.configure(budget=pol.budget.override(when="chunks"), granularity=granularity)
+    ids = _prompt(150)
+    chunk = 24
+    s = HFSession(model, block_size=8, num_blocks=96, stat_names=pol.stored_reads, chunk_size=chunk,
+                  record_keeps=True, debug=True)
+    s.add("a", pol)
+    peak = 0
+    forward = s.forward
+
+    def watched(req_ids, tokens, all_logits=False):  # noqa: ANN001, ANN202 - the session's own signature
+        nonlocal peak
+        out = forward(req_ids, tokens, all_logits)
+        peak = max(peak, s.cache.live_tokens("a"))
+        return out
+
+    s.forward = watched  # type: ignore[method-assign]
+    got = s.generate(["a"], [ids], 10)[0]
+    log = s.requests["a"].keep_log
+    boundaries = [n for n, _ in log if n < len(ids)]
+    assert len(boundaries) >= 4, f"expected evictions between chunks, got kept sets at {[n for n, _ in log]}"
+    assert got == dense_greedy(model, ids, 10, log, chunk_size=chunk)
+    budget_at_end = pol.budget.resolve(len(ids))
+    assert peak <= budget_at_end + chunk, (peak, budget_at_end)
+    # after prefill: exactly the budget (every chunk evicted down to it)
+    assert not s.requests["a"].failures
+
+
 @pytest.mark.parametrize("granularity", ["head", "request"])
 def test_block_accounting_exact_after_every_step(granularity: str) -> None:
     model = tiny_llama()

@@ -134,3 +134,23 @@ def test_exact_budget_check_does_not_trust_the_backend_budget(ratio: float) -> N
     prop_budget(ReferencePolicy(p), batch)  # the real backend passes
     with pytest.raises(ContractViolation, match="expected"):
         prop_budget(_FloorBudgets(p), batch)
+
+
+@pytest.mark.parametrize(("when", "phases"), [
+    ("prefill", {"prefill"}), ("decode", {"decode"}), ("both", {"prefill", "decode"}),
+    ("chunks", {"chunk", "prefill", "decode"}),
+])
+def test_when_selects_the_phases_that_evict(when: str, phases: set[str]) -> None:
+    b = vt.Budget(ratio=0.5, when=when)
+    for phase in ("chunk", "prefill", "decode"):
+        assert b.should_evict(live=100, seq_len=100, phase=phase) == (phase in phases), (when, phase)
+    assert not b.should_evict(live=50, seq_len=100, phase="chunk")  # at the budget: nothing to do
+
+
+def test_override_keeps_or_replaces_when() -> None:
+    b = vt.Budget(ratio=0.5, min_tokens=8, slack=4)
+    assert b.override(when="chunks") == vt.Budget(ratio=0.5, min_tokens=8, slack=4, when="chunks")
+    assert b.override(eviction_ratio=0.7, when="chunks").when == "chunks"
+    assert b.override(when="chunks").override(tokens=64).when == "chunks"  # a size override keeps when
+    with pytest.raises(ValueError):
+        b.override(when="sometimes")  # type: ignore[arg-type]

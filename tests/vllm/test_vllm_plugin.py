@@ -103,14 +103,15 @@ def test_policy_none_matches_vanilla(tiny: Path) -> None:
     assert generate(llm, ps, 32) == ref
 
 
-@pytest.mark.parametrize(("policy", "mode", "chunk"), [
-    ("streaming_llm", "compact", 8192),
-    ("h2o", "compact", 48),  # chunked prefill: 48-token chunks
-    ("scissorhands", "naive", 64),
-    ("h2o", "ordered", 8192),
+@pytest.mark.parametrize(("policy", "mode", "chunk", "when"), [
+    ("streaming_llm", "compact", 8192, None),
+    ("h2o", "compact", 48, None),  # chunked prefill: 48-token chunks
+    ("scissorhands", "naive", 64, None),
+    ("h2o", "ordered", 8192, None),
+    ("h2o", "compact", 32, "chunks"),  # eviction after every prefill chunk (Budget(when="chunks"))
 ])
-def test_eviction_exact_and_blocks(tiny: Path, policy: str, mode: str, chunk: int) -> None:
-    llm = engine(tiny, {"policy": policy, "mode": mode, "debug": True}, max_num_batched_tokens=chunk)
+def test_eviction_exact_and_blocks(tiny: Path, policy: str, mode: str, chunk: int, when: str | None) -> None:
+    llm = engine(tiny, {"policy": policy, "mode": mode, "debug": True, "when": when}, max_num_batched_tokens=chunk)
     run = runner(llm)
     run.vtoken_trace = {}
     bad = _watch_blocks(llm, naive=mode == "naive")
@@ -119,6 +120,13 @@ def test_eviction_exact_and_blocks(tiny: Path, policy: str, mode: str, chunk: in
     assert run.vtoken_counters["tokens_evicted"] > 0 and run.vtoken_counters["policy_failures"] == 0
     assert not bad, bad[:5]
     _check_replay(tiny, run.vtoken_trace, ps, outs, _rid_order(run.vtoken_trace))
+    if when == "chunks":  # no step attends more than the budget of what came before plus its own tokens
+        for rid, p in zip(_rid_order(run.vtoken_trace), ps, strict=True):
+            tr = run.vtoken_trace[rid]
+            live = [int(k.shape[-1]) for _, _, k in tr]
+            kept = [min(s, max(_half_up(s), 4 + 32)) for s, _, _ in tr]  # h2o also keeps sinks(4) + recent(32)
+            assert live == [k + n for k, (_, n, _) in zip(kept, tr, strict=True)], rid
+            assert sum(1 for s, n, _ in tr if 0 < s < len(p)) >= 2, "expected evictions between prompt chunks"
     sched = scheduler(llm)
     if mode != "naive":  # scattered eviction rarely kills a whole block: naive frees (almost) nothing
         assert sched.vtoken_stats["blocks_freed"] > 0

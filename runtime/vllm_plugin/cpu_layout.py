@@ -1,0 +1,118 @@
+"""vLLM's CPU KV cache layout: probed element maps, the copy engine and the torch reference views.
+
+vLLM's CPU attention stores each layer as ``[NB, H_kv, bs, 2D]`` but the order of K and V elements
+inside one (block, head) region depends on the kernel ISA, so it is measured once with the real op
+(:func:`probe_cpu_kv_layout`) instead of assumed. The GPU backends' layouts are described by their
+strides instead (``vtoken_runtime.kv_layout``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from vtoken_runtime.copy_engine import CopyEngine
+
+
+def probe_cpu_kv_layout(isa: str, dtype: torch.dtype, block_size: int, head_size: int
+                        ) -> tuple[np.ndarray, np.ndarray]:
+    """Where vLLM's CPU ``reshape_and_cache`` puts token t, dim d of K and V inside one (block, head)
+    region of ``2 * block_size * head_size`` elements: ``(kmap, vmap)`` int64 ``[block_size, head_size]``.
+
+    The layout depends on the kernel ISA (with ``vec`` fp32, K is stored dim-major ``[D, bs]`` and V
+    token-major ``[bs, D]``), so it is measured once with the real op instead of assumed.
+    """
+    from vllm import _custom_ops as ops
+
+    bs, D = block_size, head_size
+    R = 2 * bs * D
+
+    def run(kfill: torch.Tensor, vfill: torch.Tensor) -> torch.Tensor:
+        kv = torch.zeros(1, 1, bs, 2 * D, dtype=dtype)
+        view = kv.view(1, 1, 2 * bs, D)
+        kc, vc = view.chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(kfill.to(dtype).contiguous(), vfill.to(dtype).contiguous(), kc, vc, torch.arange(bs, dtype=torch.int64),
+                                       isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+        return kv.reshape(-1).float()
+
+    t_code = (torch.arange(bs, dtype=torch.float32) + 1)[:, None, None].expand(bs, 1, D)
+    d_code = (torch.arange(D, dtype=torch.float32) + 1)[None, None, :].expand(bs, 1, D)
+    zero = torch.zeros(bs, 1, D)
+    maps = []
+    for is_k in (True, False):
+        ft = run(t_code, zero) if is_k else run(zero, t_code)
+        fd = run(d_code, zero) if is_k else run(zero, d_code)
+        pos = torch.nonzero(ft != 0).flatten()
+        if pos.numel() != bs * D:
+            raise RuntimeError(f"vtoken: cannot probe the CPU KV layout for isa={isa!r} (found {pos.numel()} cells)")
+        m = np.full((bs, D), -1, dtype=np.int64)
+        m[(ft[pos] - 1).long().numpy(), (fd[pos] - 1).long().numpy()] = pos.numpy()
+        if (m < 0).any() or np.unique(m).size != bs * D or m.max() >= R:
+            raise RuntimeError(f"vtoken: CPU KV layout for isa={isa!r} is not a permutation of the block")
+        maps.append(m)
+    return maps[0], maps[1]
+
+
+class VllmCpuCopyEngine(CopyEngine):
+    """Copy engine for vLLM's CPU KV tensors ``[NB, H, bs, 2D]`` whose inner layout was probed
+    (:func:`probe_cpu_kv_layout`). Moves single elements of a flat view: a token-head move is
+    ``2 * D`` element moves (K and V), whatever the ISA's layout."""
+
+    def __init__(self, *args: Any, kmap: np.ndarray, vmap: np.ndarray, **kwargs: Any) -> None:
+        self.kmap, self.vmap = kmap, vmap
+        super().__init__(*args, **kwargs)
+
+    def _kv_views(self, t: Any) -> list[torch.Tensor]:
+        if isinstance(t, tuple) or tuple(t.shape) != (self.nb, self.H, self.bs, 2 * self.D):
+            raise ValueError(f"vLLM CPU layer cache must be [{self.nb}, {self.H}, {self.bs}, {2 * self.D}]")
+        if not t.is_contiguous():
+            raise ValueError("vLLM CPU layer cache must be contiguous to be moved in place")
+        return [t.view(-1, 1)]
+
+    def _kv_index(self, slots: np.ndarray, heads: np.ndarray | None) -> np.ndarray:
+        H, bs, D = self.H, self.bs, self.D
+        R = 2 * bs * D
+        blk, off = slots // bs, slots % bs
+        if heads is None:
+            region = (blk[:, None] * H + np.arange(H, dtype=np.int64)) * R  # [m, H]
+            kv = np.concatenate([self.kmap[off], self.vmap[off]], axis=1)  # [m, 2D]
+            return (region[:, :, None] + kv[:, None, :]).reshape(-1)
+        region = (blk * H + heads) * R
+        kv = np.concatenate([self.kmap[off], self.vmap[off]], axis=1)
+        return (region[:, None] + kv).reshape(-1)
+
+    def row_bytes(self) -> int:
+        el = self._views[0][0].element_size() if self._views else 4
+        per_lh = 2 * self.D * el
+        return per_lh if self.per_head else per_lh * self.H * len(self._views)
+
+
+def _affine(m: np.ndarray) -> tuple[int, int, int] | None:
+    """``(offset, stride_t, stride_d)`` if ``m[t, d] = offset + t * st + d * sd``, else None."""
+    o = int(m[0, 0])
+    st = int(m[1, 0] - o) if m.shape[0] > 1 else 0
+    sd = int(m[0, 1] - o) if m.shape[1] > 1 else 0
+    t = np.arange(m.shape[0])[:, None]
+    d = np.arange(m.shape[1])[None, :]
+    return (o, st, sd) if bool((m == o + t * st + d * sd).all()) else None
+
+
+def vllm_cpu_views(kv_caches: Sequence[torch.Tensor], kmap: np.ndarray, vmap: np.ndarray
+                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``[NB, bs, H, D]`` (K, V) views of vLLM's CPU caches ``[NB, H, bs, 2D]`` for the probed layout
+    (:func:`probe_cpu_kv_layout`), which must be affine per block (true for the ``vec`` ISA in fp32)."""
+    ka, va = _affine(kmap), _affine(vmap)
+    if ka is None or va is None:
+        raise ValueError(f"vtoken: the CPU KV layout of {kv_caches[0].dtype} is not affine per block; "
+                         "the torch reference views cannot address it (use float32 or another ISA)")
+    bs, D = kmap.shape
+    out = []
+    for t in kv_caches:
+        H = t.shape[1]
+        R = 2 * bs * D
+        out.append(tuple(t.as_strided((t.shape[0], bs, H, D), (H * R, st, R, sd), t.storage_offset() + o)
+                         for o, st, sd in (ka, va)))
+    return out  # type: ignore[return-value]

@@ -1,0 +1,147 @@
+"""vToken on vLLM's GPU worker (V1 model runner): the same runner mixin, the GPU's K/V layouts, and the guards.
+
+``VTokenGPUWorker`` is vLLM's ``gpu_worker.Worker`` whose model runner (``GPUModelRunner``, the class
+vLLM's CPU runner also derives from) gets :class:`~.worker.VTokenRunnerMixin`: the step rewrite
+(:mod:`.step_inputs`), eviction (``EvictionDriver``) and statistics (``StatsCollector``, Triton on CUDA)
+are the CPU worker's, line for line. What differs on the GPU:
+
+    K/V access     each layer's logical ``[NB, H_kv, bs, 2D]`` view in the physical order vLLM's
+                   ``kv_cache_layout`` resolved (LBNHC, LBHNC, LHBNC); ``vtoken_runtime.kv_layout`` turns
+                   it into rows the copy engine moves byte-exactly (fp8 as bytes)
+    copies         side stream + event, fenced before the next attention and before vLLM zeroes newly
+                   allocated blocks (``_update_states``); the Triton repack kernel moves the rows
+    statistics     the Triton statistics kernel (two passes over the keys, no probability matrix)
+    selection      the policy's generated Triton select kernel (``compile_policy(device=cuda)``)
+    CUDA graphs    FULL / FULL_AND_PIECEWISE decode graphs replay without calling the attention
+                   wrapper or the KV-update hook, so statistics would silently stop: a policy that
+                   reads statistics forces PIECEWISE capture (attention and KV updates then run
+                   eagerly between the captured pieces; logged once). Statistic-free policies keep full
+                   graphs: every per-step write (slot mapping, ``seq_lens``, block-table rows) goes into
+                   vLLM's persistent buffers, so captured graphs read the rewritten values.
+
+Refused at start-up, with the setting to change (:func:`check_gpu_config`): the V2 model runner,
+FlashInfer and other attention backends (FlashAttention and Triton attention are supported),
+block-outermost KV layouts, kernel block size != manager block size, per-token-head quantised KV,
+ALiBi, sliding-window or hybrid KV groups, prefix caching, async scheduling, and statistics over a
+quantised KV cache.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from functools import partial
+from typing import Any
+
+import torch
+
+from vtoken_sdk.stats import ATTENTION_STATS, KV_STATS
+
+from .worker import VTokenRunnerMixin, install_runner
+
+log = logging.getLogger("vtoken.vllm")
+
+SUPPORTED_IMPLS = {"FlashAttentionImpl": "FLASH_ATTN", "TritonAttentionImpl": "TRITON_ATTN"}
+
+
+def reads_statistics(stat_names: Iterable[str]) -> bool:
+    """Whether a policy reading ``stat_names`` needs the attention wrapper / KV-update hook to run."""
+    return any(n in ATTENTION_STATS or n in KV_STATS for n in stat_names)
+
+
+def check_gpu_config(*, use_v2_model_runner: bool, impl_names: Iterable[str], alibi: bool, sliding_window: bool,
+                     cache_dtype: str, layout: Any, kernel_block_size: int, manager_block_size: int,
+                     reads_attention: bool) -> str:
+    """Refuse what the GPU path does not support (``ValueError`` naming the setting to change); returns
+    the KV layout's name. The KV-cache rules (layout, block sizes, dtype) are the copy engine's
+    (``kv_layout.check_supported``); the rest are the runner's.
+
+    Plain values (no vLLM objects), so the rules are tested without a GPU; the worker reads them from
+    its configuration and layers (:meth:`VTokenGPURunnerMixin._vt_kv_access`)."""
+    from vtoken_runtime.kv_layout import check_supported
+
+    if use_v2_model_runner:
+        raise ValueError("vtoken: the V2 model runner is not supported; set VLLM_USE_V2_MODEL_RUNNER=0 "
+                         "(vtoken-cli serve does)")
+    bad = sorted({n for n in impl_names if n not in SUPPORTED_IMPLS})
+    if bad:
+        raise ValueError(f"vtoken: attention backend {bad} is not supported on GPU; use "
+                         f"--attention-backend {' or '.join(SUPPORTED_IMPLS.values())}")
+    if alibi:
+        raise ValueError("vtoken: ALiBi models are not supported (the bias depends on the key's slot distance, "
+                         "which compaction changes)")
+    if sliding_window:
+        raise ValueError("vtoken: sliding-window attention is not supported (the window is counted in slots)")
+    name = check_supported(layout, manager_block_size=manager_block_size, kernel_block_size=kernel_block_size,
+                           kv_cache_dtype=cache_dtype)
+    if reads_attention and cache_dtype not in ("auto", "bfloat16", "float16", "half", "float32", "float"):
+        raise ValueError(f"vtoken: attention statistics over a quantised KV cache ({cache_dtype}) are not "
+                         "supported; use --kv-cache-dtype auto or a statistic-free policy")
+    return name
+
+
+def force_piecewise_graphs(compilation_config: Any, policy: Any) -> bool:
+    """Switch FULL / FULL_AND_PIECEWISE CUDA graphs to PIECEWISE when the policy reads statistics (see
+    module doc); refuse a compilation whose pieces would still capture the attention or KV-update op.
+    Returns True when the mode was changed."""
+    from vllm.config import CUDAGraphMode
+
+    stats = tuple(policy.stored_reads) if policy is not None else ()
+    mode = compilation_config.cudagraph_mode
+    if mode is None or mode == CUDAGraphMode.NONE or not reads_statistics(stats):
+        return False
+    changed = mode.has_full_cudagraphs()
+    if changed:
+        compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
+        log.warning("vtoken: policy %s reads %s, collected around the attention op; CUDA graph mode %s would "
+                    "replay decode steps without it, so PIECEWISE is used", policy.name, sorted(stats), mode.name)
+    if any(n in ATTENTION_STATS for n in stats) and not compilation_config.splitting_ops_contain_attention():
+        raise ValueError("vtoken: this policy reads attention statistics but the compilation captures the "
+                         "attention op inside CUDA graphs (splitting_ops); leave splitting_ops unset or use "
+                         "--enforce-eager")
+    if any(n in KV_STATS for n in stats) and not compilation_config.splitting_ops_contain_kv_cache_update():
+        raise ValueError("vtoken: this policy reads key/value norms but the KV-cache update is fused into the "
+                         "captured graph (splitting_ops / fuse_rope_kvcache); leave them unset or use --enforce-eager")
+    return changed
+
+
+class VTokenGPURunnerMixin(VTokenRunnerMixin):
+    """The runner mixin with the GPU's K/V access (layout adapter + Triton copy engine) and guards."""
+
+    def _vt_kv_access(self, kv: list[torch.Tensor], layer: Any, spec: Any) -> dict[str, Any]:
+        from vtoken_runtime.kv_layout import KVLayoutAdapter, LayoutCopyEngine
+
+        cc = self.cache_config
+        layout = cc.get_resolved_kv_cache_layout()
+        pol = self._vt_policy
+        reads = tuple(pol.stored_reads) if pol is not None else ()
+        impls = {type(getattr(layer.impl, "_inner", layer.impl)).__name__}
+        check_gpu_config(
+            use_v2_model_runner=bool(getattr(self.vllm_config, "use_v2_model_runner", False)),
+            impl_names=impls, alibi=getattr(layer.impl, "alibi_slopes", None) is not None,
+            sliding_window=bool(getattr(spec, "sliding_window", None) or getattr(layer.impl, "sliding_window", None)
+                                not in (None, (-1, -1))),
+            cache_dtype=str(cc.cache_dtype), layout=layout, kernel_block_size=int(kv[0].shape[2]), manager_block_size=int(spec.block_size),
+            reads_attention=any(n in ATTENTION_STATS for n in reads))
+        head_size = int(kv[0].shape[3]) // 2
+        adapters = [KVLayoutAdapter.from_view(t, head_size) for t in kv]
+        return {"kv_views": [a.kv_views(t) for a, t in zip(adapters, kv, strict=True)],
+                "copy_engine": partial(LayoutCopyEngine, adapters=adapters)}
+
+
+try:  # vLLM is optional for importing this module's helpers
+    from vllm.v1.worker.gpu_worker import Worker as _GPUWorker
+except Exception:  # pragma: no cover - vLLM missing
+    _GPUWorker = object  # type: ignore[assignment,misc]
+
+
+class VTokenGPUWorker(_GPUWorker):  # type: ignore[misc,valid-type]
+    """vLLM's GPU worker with the vToken model runner (configured by ``vllm_engine_args``)."""
+
+    def init_device(self) -> None:
+        if getattr(self, "use_v2_model_runner", False):
+            raise ValueError("vtoken: the V2 model runner is not supported; set VLLM_USE_V2_MODEL_RUNNER=0 "
+                             "(vtoken-cli serve does)")
+        super().init_device()
+        install_runner(self.model_runner, VTokenGPURunnerMixin)
+        force_piecewise_graphs(self.vllm_config.compilation_config, self.model_runner._vt_policy)

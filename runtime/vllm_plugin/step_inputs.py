@@ -1,0 +1,70 @@
+"""The one rewrite of vLLM's step inputs: new tokens go to the token table's slots, lengths become cache lengths.
+
+vLLM builds a step's inputs from TRUE positions (RoPE, stop checks and sampling stay untouched). After
+that, and before any attention metadata is built, the runner calls :func:`place_new_tokens`, which for
+every scheduled request reserves its new tokens in the :class:`~vtoken_runtime.cache.VTokenCache` (the
+block ids come from the tail of the request's vLLM block-table row) and returns the slot of every new
+token and the cache length of every request::
+
+    vLLM row  [b0 b1 b2 b3 ...]        cache_len = used + n      (live tokens after compaction + new)
+    slot of new token i = row[(used + i) // bs] * bs + (used + i) % bs
+
+The runner then writes these, in place, into vLLM's persistent buffers (CPU and GPU alike):
+
+    slot_mapping      its numpy view, then the copy to the device (after vLLM's own computation)
+    seq_lens          the device tensor the attention kernels read (non-blocking copy from pinned memory)
+    optimistic_seq_lens_cpu   the host upper bound behind ``max_seq_len`` (FlashInfer treats it as exact)
+
+Block-table rows need no rewrite: a request's cache blocks ARE the head of its vLLM row (compaction
+frees tail blocks and the runner truncates the row to them), and vLLM commits the rows to the device at
+the start of every step. The causal alignment of a chunk is ``seq_len - query_len`` as before; the
+cached prefix may be in any order (RoPE was applied before caching).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+
+def place_new_tokens(cache: Any, pool: Any, req_ids: Sequence[str], num_scheduled: np.ndarray,
+                     num_computed: np.ndarray, block_rows: np.ndarray, blocks_per_row: np.ndarray,
+                     query_start_loc: np.ndarray, slot_mapping: np.ndarray,
+                     on_new: Callable[[str], None]) -> np.ndarray:
+    """Reserve the step's new tokens; write their slots into ``slot_mapping`` (flat token order).
+
+    ``num_scheduled [B]`` / ``num_computed [B]`` (true positions before the step), ``block_rows
+    [B, max_blocks]`` and ``blocks_per_row [B]`` (vLLM's block table, host side), ``query_start_loc
+    [B + 1]``. ``pool`` is the cache's :class:`ExternalPool` (fed the row's tail before each reserve);
+    ``on_new(req_id)`` registers a request seen for the first time. Returns the cache lengths ``[B]``
+    int32. A request whose token-table length differs from vLLM's computed count was reset behind our
+    back (recompute after preemption) and starts again.
+    """
+    seq = np.zeros(len(req_ids), dtype=np.int32)
+    for i, rid in enumerate(req_ids):
+        n, start = int(num_scheduled[i]), int(num_computed[i])
+        known = cache.has_request(rid)
+        if known and cache.logical_len(rid) != start:
+            cache.free(rid)
+            known = False
+        if not known:
+            if start != 0:
+                raise RuntimeError(f"vtoken: request {rid} starts at position {start} without a token-table "
+                                   "entry (prefix caching / KV transfer are not supported)")
+            on_new(rid)
+        pool.feed(block_rows[i, cache.held_blocks(rid):int(blocks_per_row[i])])
+        slots = cache.reserve(rid, n)
+        if slots is None:  # ExternalPool raises instead; kept for clarity
+            raise RuntimeError(f"vtoken: no blocks for request {rid}")
+        slot_mapping[query_start_loc[i]:query_start_loc[i + 1]] = slots
+        seq[i] = cache.cache_len(rid)
+    return seq
+
+
+def true_positions(num_computed: np.ndarray, num_scheduled: np.ndarray) -> np.ndarray:
+    """Flat true positions of the step's tokens (what vLLM computed on the device), from host data only."""
+    n = np.asarray(num_scheduled, dtype=np.int64)
+    starts = np.repeat(np.asarray(num_computed, dtype=np.int64) - np.cumsum(n) + n, n)
+    return starts + np.arange(int(n.sum()), dtype=np.int64)
