@@ -12,6 +12,20 @@ vLLM-CPU block size 32) over ``batch`` requests of ``context`` cached tokens:
               (32) per (layer, KV head) row of every request (K/V rows + stats + positions)
 
 Times are medians over ``repeats``; ratios are against the attention of the same step.
+
+    python benchmarks/kernels.py --section stats [--rounds 7 --chunk 512 --context 1024]
+
+One layer's attention-statistics step on CPU (``B`` requests x ``context`` cached tokens, vllm_cpu
+layout, fp32; decode ``Q = 1`` and a prefill chunk of ``chunk`` queries, the chunk's keys already cached):
+
+  attention      VTokenCache.attention without probabilities (the torch paged reference)
+  sdpa           torch scaled_dot_product_attention over the same keys/values, already dense
+                 (the gather is not timed: a lower bound for a real CPU attention kernel)
+  collector      StatsCollector.attention (torch: probabilities [B, H_kv, Q, L], then the rules)
+  numba          vtoken_runtime.stats.cpu_kernel.update_attn_stats_cpu (two passes over the keys)
+
+for ``attn_sum`` (H2O) and for all four attention statistics. Rounds are interleaved (A B C D A B C D
+...) so machine noise hits every variant alike; medians with min/max, ratios of medians.
 """
 
 from __future__ import annotations
@@ -125,31 +139,134 @@ def run(batch: int, context: int, layers: int, kv_heads: int, q_heads: int, head
             "rows": rows_out}
 
 
+def _interleaved(fns: dict, rounds: int) -> dict[str, list[float]]:  # type: ignore[type-arg]
+    """Run ``fns`` (name -> callable) in turn, ``rounds`` times after one warm-up round: ms per call."""
+    for fn in fns.values():
+        fn()
+    out: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            out[k].append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def run_stats_step(batch: int, context: int, kv_heads: int, q_heads: int, head_size: int, block_size: int,
+                   chunk: int, rounds: int) -> dict:
+    """One layer's statistics step: torch collector vs numba kernel vs the attention (module doc)."""
+    import torch.nn.functional as F
+
+    from vtoken_runtime.cache import VTokenCache
+    from vtoken_runtime.stats import StatsCollector
+    from vtoken_runtime.stats.cpu_kernel import STAT_NAMES, update_attn_stats_cpu
+    from vtoken_sdk import StatsConfig
+
+    torch.manual_seed(0)
+    B, Hkv, Hq, D, bs, N = batch, kv_heads, q_heads, head_size, block_size, context
+    G = Hq // Hkv
+    cache = VTokenCache(1, Hkv, D, bs, num_blocks=B * (N // bs + 2) + 2, granularity="request",
+                        kv_layout="vllm_cpu", stat_names=STAT_NAMES, async_copy=False)
+    reqs = [f"r{b}" for b in range(B)]
+    for r in reqs:
+        cache.add_request(r)
+        cache.reserve(r, N + 1)
+        cache.write_kv(0, r, torch.randn(N + 1, Hkv, D), torch.randn(N + 1, Hkv, D))
+    md = cache.attention_metadata(reqs)
+    kc, kpos = cache.key_cache(0), cache.key_positions(0)
+    mirror = {n: cache.stats_tensor(n)[0].clone() for n in STAT_NAMES}
+    k_dense = torch.randn(B, Hkv, N + 1, D)
+    v_dense = torch.randn(B, Hkv, N + 1, D)
+    rows = []
+    for what, Q in (("decode", 1), ("prefill chunk", chunk)):
+        qpos = torch.arange(N + 1 - Q, N + 1)[None].repeat(B, 1)
+        plen = torch.full((B,), N + 1 if Q > 1 else N - 64)
+        q = torch.randn(B, Q, Hq, D)
+        q_dense = q.transpose(1, 2)
+        mask = (torch.arange(N + 1)[None, :] <= qpos[0][:, None]) if Q > 1 else None  # causal, bottom-right
+        for label, names in (("attn_sum (H2O)", ("attn_sum",)), ("all 4 stats", STAT_NAMES)):
+            col = StatsCollector(cache, names, StatsConfig(), G)
+            st = {n: mirror[n] for n in names}
+            fns = {
+                "attention": lambda q=q, qpos=qpos: cache.attention(0, q, md, qpos),
+                "sdpa": lambda q_dense=q_dense, mask=mask: F.scaled_dot_product_attention(
+                    q_dense, k_dense, v_dense, attn_mask=mask, enable_gqa=True),
+                "collector": lambda col=col, q=q, qpos=qpos, plen=plen: col.attention(0, q, md, qpos, plen),
+                "numba": lambda st=st, q=q, qpos=qpos, plen=plen: update_attn_stats_cpu(
+                    q, kc, md.block_tables, md.cache_lens, qpos, kpos, st, prompt_lens=plen),
+            }
+            ts = _interleaved(fns, rounds)
+            med = {k: statistics.median(v) for k, v in ts.items()}
+            rows.append({"step": f"{what} Q={Q}", "stats": label,
+                         **{f"{k}_ms": {"median": med[k], "min": min(v), "max": max(v)} for k, v in ts.items()},
+                         "collector_vs_attention": med["collector"] / med["attention"],
+                         "numba_vs_attention": med["numba"] / med["attention"],
+                         "collector_vs_sdpa": med["collector"] / med["sdpa"],
+                         "numba_vs_sdpa": med["numba"] / med["sdpa"],
+                         "numba_speedup": med["collector"] / med["numba"]})
+    return {"shape": {"batch": B, "context": N + 1, "kv_heads": Hkv, "q_heads": Hq, "head_size": D,
+                      "block_size": bs, "rounds": rounds, "torch_threads": torch.get_num_threads()},
+            "rows": rows}
+
+
+def _print_stats_step(res: dict) -> None:
+    s = res["shape"]
+    table = Table(title=f"one layer's statistics step on CPU: B={s['batch']} x {s['context']} cached tokens, "
+                        f"H_q/H_kv={s['q_heads']}/{s['kv_heads']} D={s['head_size']} fp32, "
+                        f"{s['rounds']} interleaved rounds (median \\[min-max] ms, {s['torch_threads']} thread(s))")
+    for c in ("step", "stats", "attention", "sdpa", "collector", "numba", "collector / attn", "numba / attn",
+              "collector / sdpa", "numba / sdpa"):
+        table.add_column(c)
+
+    def cell(d: dict) -> str:  # type: ignore[type-arg]
+        return f"{d['median']:.2f} [{d['min']:.2f}-{d['max']:.2f}]"
+
+    for r in res["rows"]:
+        table.add_row(r["step"], r["stats"], cell(r["attention_ms"]), cell(r["sdpa_ms"]), cell(r["collector_ms"]),
+                      cell(r["numba_ms"]), f"{r['collector_vs_attention']:.2f}", f"{r['numba_vs_attention']:.2f}",
+                      f"{r['collector_vs_sdpa']:.2f}", f"{r['numba_vs_sdpa']:.2f}")
+    Console(width=max(Console().width, 200)).print(table)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--section", choices=("all", "step", "stats"), default="all",
+                    help="step: the per-decode-step table; stats: one layer's statistics step; all: both")
     ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--context", type=int, default=None,
+                    help="cached tokens per request (default 2048 for step, 1024 for stats)")
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--kv-heads", type=int, default=3)
     ap.add_argument("--q-heads", type=int, default=9)
     ap.add_argument("--head-size", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds of the stats section (>= 5)")
+    ap.add_argument("--chunk", type=int, default=512, help="prefill chunk of the stats section")
     ap.add_argument("--json", type=Path, default=None, help="also write results to this file")
     a = ap.parse_args()
-    res = run(a.batch, a.context, a.layers, a.kv_heads, a.q_heads, a.head_size, a.block_size, a.repeats)
-    s = res["shape"]
-    table = Table(title=f"one decode step on CPU, torch path: B={s['batch']} N={s['context']} L={s['layers']} "
-                        f"H_q/H_kv={s['q_heads']}/{s['kv_heads']} D={s['head_size']} bs={s['block_size']} "
-                        f"({s['moves_per_step']} row moves, {s['torch_threads']} thread(s))")
-    for c in ("part", "ms / step", "x attention"):
-        table.add_column(c)
-    for r in res["rows"]:
-        table.add_row(r["part"], f"{r['ms']:.2f}", f"{r['ratio_to_attention']:.3f}")
-    Console().print(table)
+    out: dict = {}
+    if a.section in ("all", "step"):
+        res = run(a.batch, a.context or 2048, a.layers, a.kv_heads, a.q_heads, a.head_size, a.block_size,
+                  a.repeats)
+        s = res["shape"]
+        table = Table(title=f"one decode step on CPU, torch path: B={s['batch']} N={s['context']} L={s['layers']} "
+                            f"H_q/H_kv={s['q_heads']}/{s['kv_heads']} D={s['head_size']} bs={s['block_size']} "
+                            f"({s['moves_per_step']} row moves, {s['torch_threads']} thread(s))")
+        for c in ("part", "ms / step", "x attention"):
+            table.add_column(c)
+        for r in res["rows"]:
+            table.add_row(r["part"], f"{r['ms']:.2f}", f"{r['ratio_to_attention']:.3f}")
+        Console().print(table)
+        out = res
+    if a.section in ("all", "stats"):
+        res_stats = run_stats_step(a.batch, a.context or 1024, a.kv_heads, a.q_heads, a.head_size, a.block_size,
+                                   a.chunk, max(5, a.rounds))
+        _print_stats_step(res_stats)
+        out = {**out, "stats_step": res_stats} if out else {"stats_step": res_stats}
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps(res, indent=2))
+        a.json.write_text(json.dumps(out, indent=2))
 
 
 if __name__ == "__main__":

@@ -39,6 +39,10 @@ from llvmlite import ir
 from numba import njit, types, uint64
 from numba.extending import intrinsic
 
+from ._numba_compat import make_llvmlite_scan_safe
+
+make_llvmlite_scan_safe()  # vLLM's kernel-rebinding scan must survive llvmlite in sys.modules
+
 NT_ALIGN = 64  # bytes: one cache line / one 512-bit vector
 
 

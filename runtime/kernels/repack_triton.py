@@ -101,26 +101,6 @@ def run_jobs(jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], mode: 
         move_rows(view, src, dst, mode)
 
 
-def execute_plan(engine, plan, mode: str = "ordered") -> None:  # noqa: ANN001 - runtime types, lazy import
-    """Execute ``plan`` on ``engine``'s tensors (K/V, stats, positions) synchronously with Triton."""
-    run_jobs(engine.build_jobs(plan), mode)
-
-
-def make_engine(*args, mode: str = "ordered", **kwargs):  # noqa: ANN002, ANN003, ANN201
-    """A :class:`~vtoken_runtime.copy_engine.CopyEngine` whose jobs run on this kernel.
-
-    Same constructor arguments as ``CopyEngine``; ``mode`` is the planner's mode (``compact`` lets
-    the kernel run every move in one in-place launch; ``ordered`` is correct for both).
-    """
-    from ..copy_engine import CopyEngine
-
-    class TritonCopyEngine(CopyEngine):
-        def run_jobs(self, jobs):  # type: ignore[no-untyped-def]
-            run_jobs(jobs, mode)
-
-    return TritonCopyEngine(*args, **kwargs)
-
-
 def aot_specs(arch: int = 90) -> list[tuple[object, dict[str, str], dict[str, object], int, str]]:
     """(kernel, signature, constexprs, num_warps, label) at the default configurations."""
     out = []

@@ -106,15 +106,13 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
         return b
     if torch.device(device).type == "cuda":
         return "triton"
-    return "torch"  # TODO(numba): switch once the CPU kernel lands
+    return "numba" if _numba_kernel() is not None else "torch"
 
 
 def _numba_kernel() -> Callable[..., None] | None:
-    try:
-        from .cpu_kernel import numba_available, update_attn_stats_cpu
-    except ImportError:
-        return None
-    return update_attn_stats_cpu if numba_available() else None
+    from .cpu_kernel import kernels_available, update_attn_stats_cpu
+
+    return update_attn_stats_cpu if kernels_available() else None
 
 
 def kernel_for(backend: str) -> Callable[..., None] | None:

@@ -19,7 +19,6 @@ point (vLLM calls it in every process before building engines).
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 from .config import PluginConfig, RequestOptions, request_options
@@ -40,14 +39,14 @@ def register() -> None:
     engine by ``scheduler_cls`` / ``worker_cls`` / ``additional_config['vtoken']`` (so installing
     vtoken never changes a plain vLLM engine)."""
     global _REGISTERED
+    from vtoken_runtime._numba_compat import make_llvmlite_scan_safe
+
+    # Before every engine's worker init (vLLM calls register() there, then scans sys.modules): the
+    # runtime's numba kernels (CPU copies, CPU statistics) may have imported llvmlite already.
+    make_llvmlite_scan_safe()
     if _REGISTERED:
         return
     _REGISTERED = True
-    # The runtime's numba copy path is kept out of processes that run vLLM: once numba is imported, vLLM's
-    # kernel-rebinding scan of sys.modules (init_worker of the next engine in the same process) crashes
-    # on numba's '_lib_fn_wrapper' objects, and an HFSession in such a process would import it. A
-    # VTOKEN_CPU_COPY set by the user still wins.
-    os.environ.setdefault("VTOKEN_CPU_COPY", "torch")
     from .metrics import use_vllm_logging
 
     use_vllm_logging()

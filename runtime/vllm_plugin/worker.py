@@ -167,8 +167,7 @@ class VTokenRunnerMixin:
         from .cpu_layout import VllmCpuCopyEngine, probe_cpu_kv_layout, vllm_cpu_views
 
         _, _, bs, d2 = kv[0].shape
-        # torch copy path unless the user chose: numba must stay out of vLLM processes (see register())
-        copy_path = os.environ.setdefault("VTOKEN_CPU_COPY", "torch")
+        copy_path = os.environ.get("VTOKEN_CPU_COPY")  # default "auto": the numba kernel when it imports
         kmap, vmap = probe_cpu_kv_layout(getattr(layer, "isa", None) or "vec", kv[0].dtype, bs, d2 // 2)
         return {"kv_layout": "vllm_cpu", "copy_path": copy_path, "kv_views": vllm_cpu_views(kv, kmap, vmap),
                 "copy_engine": partial(VllmCpuCopyEngine, kmap=kmap, vmap=vmap)}

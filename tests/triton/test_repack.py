@@ -37,10 +37,8 @@ def _world(layout: str, per_head: bool, seed: int, dtype: torch.dtype, triton_mo
               per_head=per_head, async_copy=False)
     if triton_mode is None:
         eng = CopyEngine(**kw, chunk_bytes=1 << 24)
-    else:
-        from vtoken_runtime.kernels.repack_triton import make_engine
-
-        eng = make_engine(**kw, mode=triton_mode)
+    else:  # the engine's own Triton runner (what CUDA caches use), forced on CPU under the interpreter
+        eng = CopyEngine(**kw, gpu_runner="triton", planner_mode=triton_mode)
     return caches, store, eng
 
 

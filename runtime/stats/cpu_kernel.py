@@ -1,0 +1,619 @@
+"""Attention statistics on CPU (numba): ``attn_sum`` / ``attn_last`` / ``attn_window`` / ``low_attn_count``.
+
+:func:`update_attn_stats_cpu` has the signature and the semantics of the Triton kernel
+(``vtoken_runtime.kernels.attn_stats_triton.update_attn_stats``; the rules are
+``vtoken_runtime.stats.reference``'s) for CPU tensors, without materialising probabilities: the torch
+collector builds ``[B, H_kv, G*Q, L]`` probabilities (and gathered ``[B, H_kv, L, D]`` keys) per layer,
+this kernel keeps ``O(LANES)`` state per (query, head) row and makes two passes over the keys.
+
+For every (request ``b``, KV head ``h``), over key tiles of ``BN`` virtual slots (``block_n``; default
+128 for ``D <= 64``, else 64), gathered through the block table into transposed fp32 tiles ``[D, BN]``
+(8 x 8 blocks: vector loads + an in-register transpose; bf16 bits widened to fp32 in the kernel):
+
+1. pass 1: for every needed (query, query head) row, the online max and sum of exponentials of
+   ``scale * q . k`` over the visible keys (``LANES`` running (max, sum) lanes per row, merged at the
+   end) and the visible-key count ``n_vis`` of the query;
+2. pass 2: ``P = sum_g exp(s - m_g) / l_g`` per (query, key), reduced over queries into the four
+   statistics and folded into the per-slot stores (add / overwrite / decay-and-add) at the tile's
+   physical slots (every virtual slot ``j < cache_len``: dead slots get the same 0 contributions, the
+   overwrite and the decay as in the reference).
+
+The cache is read once per (request, KV head): the transposed tiles stay in a scratch buffer
+(``SCRATCH_BYTES``, 32 MiB: ~64K tokens at D = 128) between the passes; a longer request re-gathers its
+earlier tiles in pass 2. Per row only ``O(LANES)`` state is kept: no ``[Q, L]`` score or probability
+matrix exists. Tiles whose smallest key position is past a query's position are skipped for it (the
+causal half of a prefill chunk).
+
+Only the queries a statistic reads are processed (the per-request list is built first):
+``attn_last`` reads the request's last valid query, ``attn_window`` the valid queries at positions
+``[prompt_len - obs_window, prompt_len)``; ``attn_sum`` and ``low_attn_count`` read every valid query
+(the count's exponential window covers all of them, and ``n_vis(q)`` is per query). H2O
+(``attn_sum``) at prefill therefore costs two passes of ``Q x L`` dot products; TOVA (``attn_last``)
+and SnapKV (``attn_window``) at prefill cost only their few queries.
+
+Numerics: fp32 everywhere, IEEE operations (``fastmath=False``: no reassociation, no FMA contraction).
+Dots accumulate over ``d`` in order (the loops are unrolled by 4 without reassociation);
+``exp`` is a Cephes-style fp32 polynomial (< 1 ulp measured; written inline so the loops vectorise), its
+argument clamped at ``-87`` (``exp(-87)`` ~ 1.6e-38: a probability below that, after the division by
+the row's sum, is reported as at most that instead of 0); probabilities are ``e * (1 / l)`` like
+torch's CPU softmax; the low-attention threshold is ``(1 / n_vis) * (threshold * G)`` in fp32 and the
+count weights ``decay ** k`` are fp32 (``decay = float32(1 - 1/history_window)``), as the collector
+computes them. Results equal the collector within ``atol = 2e-6``, ``rtol = 1e-5``; a (query, key)
+pair whose ``P`` lies within 1e-5 (relative) of the threshold may be counted on either side (as for
+the Triton kernel, docs/kernels.md).
+
+numba is imported on the first call (not at module import; ``ImportError`` with the fix if it is
+missing). The kernels are compiled once per argument-type combination (fp32 / bf16 cache: ~5-10 s each)
+and cached on disk (``cache=True``, ``__pycache__``); they release the GIL (``nogil=True``; all scratch
+is allocated per call, so concurrent calls on different stores are safe) and are single-threaded
+(``parallel=False``: vLLM's CPU workers here run with ``OMP_NUM_THREADS=1`` and one core per worker).
+
+Importing numba into a process that later builds a vLLM engine used to crash vLLM's kernel-rebinding
+scan (``vllm.triton_utils.dispatcher._rebind_kernels``, run by ``init_worker`` ->
+``register_triton_kernel_overrides``): for every module attribute ``value`` with a ``__dict__`` it calls
+``vars(value).get("kernel")``, and llvmlite's ``llvmlite.binding.ffi.lib`` (a ``__slots__`` object
+whose ``__getattr__`` forwards to the ctypes library) answers ``__dict__`` with a ``_lib_fn_wrapper``,
+which has no ``.get``. :func:`make_llvmlite_scan_safe` gives that object a plain ``{}`` for ``__dict__``
+(it is never otherwise read); it runs right after numba is imported here.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+
+from .._numba_compat import make_llvmlite_scan_safe
+from .reference import ATTENTION_STATS
+
+STAT_NAMES = ATTENTION_STATS
+
+__all__ = ["STAT_NAMES", "kernels_available", "make_llvmlite_scan_safe", "update_attn_stats_cpu"]
+
+# fp32 constants (numba types numpy scalars by their dtype: the arithmetic stays in float32)
+_F0 = np.float32(0.0)
+_F1 = np.float32(1.0)
+_HALF = np.float32(0.5)
+_NEG = np.float32(-3.0e38)  # "no visible key yet" (finite: NEG - NEG = 0, never NaN)
+_EXP_LO = np.float32(-87.0)  # exp(-87) ~ 1.65e-38 stays a normal number (no denormal slow paths)
+_LOG2E = np.float32(1.44269504088896341)
+_LN2_HI = np.float32(0.693359375)  # Cephes split of ln 2 (n * _LN2_HI is exact for |n| < 2^15)
+_LN2_LO = np.float32(-2.12194440e-4)
+_P0 = np.float32(1.9875691500e-4)
+_P1 = np.float32(1.3981999507e-3)
+_P2 = np.float32(8.3334519073e-3)
+_P3 = np.float32(4.1665795894e-2)
+_P4 = np.float32(1.6666665459e-1)
+_P5 = np.float32(5.0000001201e-1)
+
+F_LAST, F_WIN = 2, 4  # per-query flags
+_MAX_TILE = 256
+# key tiles (transposed fp32 keys) kept between pass 1 and pass 2 of one (request, KV head); a longer
+# request re-gathers its earlier tiles in pass 2 (the last chunk of pass 1 is reused)
+SCRATCH_BYTES = 32 << 20
+LANES = 32  # pass 1 keeps this many (running max, sum of exp) lanes per row (a tile's keys fold onto them)
+
+
+# ---------------------------------------------------------------- numba code (compiled on first use)
+# Plain functions here; _load() wraps them with numba.njit and binds the wrapped versions to the module
+# globals their callers name (numba is not imported with this module; callee names resolve at compile time).
+
+def _py_fexp(x):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+    """exp(x) for float32 x <= 0 (Cephes expf polynomial, IEEE fp32 ops; NaN and x < -87 -> exp(-87))."""
+    x = x if x > _EXP_LO else _EXP_LO
+    x = x if x < _F0 else _F0
+    fx = np.floor(x * _LOG2E + _HALF)
+    z = x - fx * _LN2_HI
+    z = z - fx * _LN2_LO
+    y = _P0 * z + _P1
+    y = y * z + _P2
+    y = y * z + _P3
+    y = y * z + _P4
+    y = y * z + _P5
+    y = y * (z * z) + z + _F1
+    e = np.uint32(np.int32(fx) + np.int32(127))
+    return y * _as_f32(np.uint32(e << np.uint32(23)))  # noqa: F821 - bound by _load()
+
+
+def _py_gather(kraw, shift, k_snb, k_sbs, k_sh, k_sd, bt, b, h, j0, nt, bs, kpos, kp_off, ktu, kp, slots, rowb,
+               BN, D):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+    """Key tile: virtual slots ``j0 .. j0+nt-1`` of request ``b``, KV head ``h`` -> ``ktu[d*BN + jj]`` (the fp32
+    tile's bits: fp32 bits as they are, bf16 bits shifted into the high half; zeros up to the tile's
+    compute width), true positions ``kp`` (-1 past ``nt``) and physical ``slots``. Returns the tile's
+    smallest valid position (2**62 if none)."""
+    kmin = np.int64(1) << np.int64(62)
+    for jj in range(nt):
+        j = j0 + jj
+        blk = np.int64(bt[b, j // bs])
+        off = j % bs
+        slot = blk * bs + off
+        slots[jj] = slot
+        p = kpos[kp_off + slot]
+        kp[jj] = p
+        if p >= 0 and p < kmin:
+            kmin = p
+        rowb[jj] = blk * k_snb + off * k_sbs + h * k_sh
+    for jj in range(nt, BN):
+        kp[jj] = -1
+        slots[jj] = 0
+    n8 = nt - nt % 8 if k_sd == 1 else 0  # vector path: unit stride along D (else the scalar loop below)
+    D8 = D - D % 8
+    for jb in range(0, n8, 8):  # 8 x 8 blocks: vector loads + in-register transpose
+        for d0 in range(0, D8, 8):
+            _tr8(kraw, rowb, jb, d0, ktu, BN)  # noqa: F821
+    sh = np.uint32(shift)
+    BNe = _width(nt, BN)  # noqa: F821
+    for d in range(D):
+        row = ktu[d * BN:(d + 1) * BN]
+        for jj in range(n8 if d < D8 else 0, nt):
+            row[jj] = np.uint32(kraw[rowb[jj] + d * k_sd]) << sh
+        for jj in range(nt, BNe):
+            row[jj] = np.uint32(0)
+    return kmin
+
+
+def _py_width(nt, BN):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+    """Compute width of a tile holding ``nt`` keys: ``nt`` rounded up to 8, at most ``BN``."""
+    return min(BN, (nt + 7) // 8 * 8)
+
+
+def _py_scores(qb, r0, G, D, kt, acc, BN, BNe):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+    """``acc[g*BN + jj] = sum_d qb[r0 + g, d] * kt[d*BN + jj]`` (jj < BNe) for the G query heads of one query:
+    fp32, accumulated over d in order (unrolled by 4 without reassociation: the plain loop's sums)."""
+    D4 = D - D % 4
+    for g in range(G):
+        a = acc[g * BN:g * BN + BNe]
+        qr = qb[(r0 + g) * D:(r0 + g + 1) * D]
+        for jj in range(BNe):
+            a[jj] = _F0
+        for d in range(0, D4, 4):
+            q0 = qr[d]
+            q1 = qr[d + 1]
+            q2 = qr[d + 2]
+            q3 = qr[d + 3]
+            k0 = kt[d * BN:d * BN + BNe]
+            k1 = kt[(d + 1) * BN:(d + 1) * BN + BNe]
+            k2 = kt[(d + 2) * BN:(d + 2) * BN + BNe]
+            k3 = kt[(d + 3) * BN:(d + 3) * BN + BNe]
+            for jj in range(BNe):
+                a[jj] = (((a[jj] + q0 * k0[jj]) + q1 * k1[jj]) + q2 * k2[jj]) + q3 * k3[jj]
+        for d in range(D4, D):
+            q0 = qr[d]
+            k0 = kt[d * BN:d * BN + BNe]
+            for jj in range(BNe):
+                a[jj] += q0 * k0[jj]
+
+
+def _py_visible(kp, qp, vis, BNe):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+    """``vis[jj] = 0 <= kp[jj] <= qp`` for jj < BNe; returns the number of visible keys."""
+    cnt = 0
+    for jj in range(BNe):
+        v = (kp[jj] >= 0) & (kp[jj] <= qp)
+        vis[jj] = v
+        cnt += v
+    return cnt
+
+
+def _py_pass1(qb, n_need, qp_n, G, D, kt, kp, kmin, nt, vis, acc, ml, ll, nvis, scale, BN,
+              W):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+    """One key tile of pass 1. Each row keeps ``W`` lanes (key ``jj`` of a tile goes to lane ``jj % W``):
+    the running max ``ml`` of the visible scores seen so far and the sum ``ll`` of their ``exp(s - ml)``;
+    ``nvis[i]`` += visible keys of query ``i``."""
+    BNe = _width(nt, BN)  # noqa: F821
+    for i in range(n_need):
+        qp = qp_n[i]
+        if qp < kmin:
+            continue  # no key of the tile is visible to this query
+        cnt = _visible(kp, qp, vis, BNe)  # noqa: F821
+        if cnt == 0:
+            continue
+        nvis[i] += cnt
+        _scores(qb, i * G, G, D, kt, acc, BN, BNe)  # noqa: F821
+        for g in range(G):
+            r = i * G + g
+            for c in range(0, BNe, W):
+                w = min(W, BNe - c)
+                mr = ml[r * W:r * W + w]
+                lr = ll[r * W:r * W + w]
+                a = acc[g * BN + c:g * BN + c + w]
+                vc = vis[c:c + w]
+                for u in range(w):
+                    v = vc[u]
+                    s = a[u] * scale
+                    s = s if v else _NEG
+                    mo = mr[u]
+                    mn = s if s > mo else mo
+                    e = _fexp(s - mn)  # noqa: F821
+                    lr[u] = lr[u] * _fexp(mo - mn) + (e if v else _F0)  # noqa: F821
+                    mr[u] = mn
+
+
+def _py_pass2(qb, n_need, qp_n, fl_n, w_n, thr_n, nvis, m, invl, G, D, kt, kp, kmin, nt, vis, acc, P,
+              a_sum, a_last, a_win, a_low, do_sum, do_last, do_win, do_low, scale,
+              BN):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+    """One key tile of pass 2: ``P = sum_g exp(s - m_g) * (1 / l_g)`` per (query, key), reduced over the
+    queries (in order) into the tile's contributions ``a_*``."""
+    BNe = _width(nt, BN)  # noqa: F821
+    for jj in range(BNe):
+        a_sum[jj] = _F0
+        a_last[jj] = _F0
+        a_win[jj] = _F0
+        a_low[jj] = _F0
+    for i in range(n_need):
+        qp = qp_n[i]
+        if qp < kmin or nvis[i] == 0:
+            continue
+        if _visible(kp, qp, vis, BNe) == 0:  # noqa: F821
+            continue
+        _scores(qb, i * G, G, D, kt, acc, BN, BNe)  # noqa: F821
+        for jj in range(BNe):
+            P[jj] = _F0
+        for g in range(G):
+            mg = m[i * G + g]
+            il = invl[i * G + g]
+            a = acc[g * BN:g * BN + BNe]
+            for jj in range(BNe):
+                v = vis[jj]
+                x = a[jj] * scale - mg
+                e = _fexp(x if v else _F0) * il  # noqa: F821
+                P[jj] += e if v else _F0
+        f = fl_n[i]
+        if do_sum:
+            for jj in range(BNe):
+                a_sum[jj] += P[jj]
+        if do_last and (f & F_LAST) != 0:
+            for jj in range(BNe):
+                a_last[jj] += P[jj]
+        if do_win and (f & F_WIN) != 0:
+            for jj in range(BNe):
+                a_win[jj] += P[jj]
+        if do_low:
+            th = thr_n[i]
+            wi = w_n[i]
+            for jj in range(BNe):
+                a_low[jj] += wi if (vis[jj] & (P[jj] < th)) else _F0
+
+
+def _py_kernel(qf, kraw, shift, k_snb, k_sbs, k_sh, k_sd, bt, lens, qpos, plen, kpos, kp_rs, bs, Hkv,
+               out_sum, out_last, out_win, out_low, o_rs, do_sum, do_last, do_win, do_low,
+               scale, obs_window, decay, thr_g, BN, max_tiles):  # type: ignore[no-untyped-def]  # pragma: no cover
+    B, Q, Hq, D = qf.shape
+    G = Hq // Hkv
+    W = min(BN, LANES)
+    need_all = do_sum or do_low
+    per_head = kp_rs != 0
+    max_len = 0
+    for b in range(B):
+        max_len = max(max_len, np.int64(lens[b]))
+    CT = max(1, min((max_len + BN - 1) // BN, max_tiles))  # key tiles kept between the passes
+    TS = D * BN
+    # scratch, reused for every (request, KV head)
+    kts = np.zeros(CT * TS, np.float32)
+    ktu = kts.view(np.uint32)
+    kps = np.empty(CT * BN, np.int64)
+    slts = np.empty(CT * BN, np.int64)
+    kmins = np.empty(CT, np.int64)
+    rowb = np.empty(BN, np.int64)
+    vis = np.zeros(BN, np.bool_)
+    acc = np.zeros(G * BN, np.float32)
+    P = np.zeros(BN, np.float32)
+    a_sum = np.zeros(BN, np.float32)
+    a_last = np.zeros(BN, np.float32)
+    a_win = np.zeros(BN, np.float32)
+    a_low = np.zeros(BN, np.float32)
+    tmp = np.zeros(W, np.float32)
+    qidx = np.empty(Q, np.int64)
+    qp_n = np.empty(Q, np.int64)
+    fl_n = np.empty(Q, np.int64)
+    w_n = np.empty(Q, np.float32)
+    thr_n = np.empty(Q, np.float32)
+    nvis = np.empty(Q, np.int64)
+    qb = np.empty(Q * G * D, np.float32)
+    ml = np.empty(Q * G * W, np.float32)
+    ll = np.empty(Q * G * W, np.float32)
+    m = np.empty(Q * G, np.float32)
+    invl = np.empty(Q * G, np.float32)
+    for b in range(B):
+        n_len = np.int64(lens[b])
+        # ---- the request's needed queries (ascending q) with their flags and count weights
+        qn = 0
+        for q in range(Q):
+            if qpos[b, q] >= 0:
+                qn += 1
+        lo = plen[b] - obs_window
+        n_need = 0
+        for q in range(Q):
+            p = qpos[b, q]
+            if p < 0:
+                continue
+            f = 0
+            if q == qn - 1:
+                f |= F_LAST
+            if p >= lo and p < plen[b]:
+                f |= F_WIN
+            if need_all or (do_last and (f & F_LAST) != 0) or (do_win and (f & F_WIN) != 0):
+                qidx[n_need] = q
+                qp_n[n_need] = p
+                fl_n[n_need] = f
+                k = qn - 1 - q
+                w_n[n_need] = np.float32(np.float64(decay) ** (k if k > 0 else 0))
+                n_need += 1
+        dec_b = np.float32(np.float64(decay) ** qn)
+        if n_len <= 0 or (n_need == 0 and not do_last):
+            continue  # nothing to add (attn_last, set to 0 without a query, is the only write without queries)
+        n_tiles = (n_len + BN - 1) // BN
+        last_c0 = ((n_tiles - 1) // CT) * CT
+        for h in range(Hkv):
+            kp_off = h * kp_rs if per_head else 0
+            for i in range(n_need):  # query rows of this KV head: qb[(i*G + g)*D + d]
+                for g in range(G):
+                    rb = (i * G + g) * D
+                    for d in range(D):
+                        qb[rb + d] = qf[b, qidx[i], h * G + g, d]
+            # ---- pass 1 (chunks of CT tiles; the last chunk stays in the scratch for pass 2)
+            if n_need > 0:
+                for r in range(n_need * G * W):
+                    ml[r] = _NEG
+                    ll[r] = _F0
+                for i in range(n_need):
+                    nvis[i] = 0
+                for c0 in range(0, n_tiles, CT):
+                    for t in range(c0, min(c0 + CT, n_tiles)):
+                        ti = t - c0
+                        nt = min(BN, n_len - t * BN)
+                        kmins[ti] = _gather(kraw, shift, k_snb, k_sbs, k_sh, k_sd, bt, b, h, t * BN, nt, bs, kpos,  # noqa: F821
+                                            kp_off, ktu[ti * TS:(ti + 1) * TS], kps[ti * BN:(ti + 1) * BN],
+                                            slts[ti * BN:(ti + 1) * BN], rowb, BN, D)
+                        _pass1(qb, n_need, qp_n, G, D, kts[ti * TS:(ti + 1) * TS], kps[ti * BN:(ti + 1) * BN],  # noqa: F821
+                               kmins[ti], nt, vis, acc, ml, ll, nvis, scale, BN, W)
+                # merge the lanes of each row: m = max, l = sum_lanes l_lane * exp(m_lane - m) (lane order)
+                for r in range(n_need * G):
+                    mr = ml[r * W:(r + 1) * W]
+                    lr = ll[r * W:(r + 1) * W]
+                    mx = _NEG
+                    for u in range(W):
+                        mx = mr[u] if mr[u] > mx else mx
+                    for u in range(W):
+                        tmp[u] = lr[u] * _fexp(mr[u] - mx)  # noqa: F821
+                    lsum = _F0
+                    for u in range(W):
+                        lsum += tmp[u]
+                    m[r] = mx
+                    invl[r] = _F1 / lsum if lsum > _F0 else _F0
+                for i in range(n_need):  # the collector's threshold: (1 / n_vis) * (threshold * G), fp32
+                    thr_n[i] = (_F1 / np.float32(max(nvis[i], 1))) * thr_g
+            # ---- pass 2 (chunks in reverse order: the chunk pass 1 left in the scratch first)
+            ob = h * o_rs
+            for c0 in range(last_c0, -1, -CT):
+                for t in range(c0, min(c0 + CT, n_tiles)):
+                    ti = t - c0
+                    nt = min(BN, n_len - t * BN)
+                    if n_need == 0 or c0 != last_c0:
+                        kmins[ti] = _gather(kraw, shift, k_snb, k_sbs, k_sh, k_sd, bt, b, h, t * BN, nt, bs, kpos,  # noqa: F821
+                                            kp_off, ktu[ti * TS:(ti + 1) * TS], kps[ti * BN:(ti + 1) * BN],
+                                            slts[ti * BN:(ti + 1) * BN], rowb, BN, D)
+                    _pass2(qb, n_need, qp_n, fl_n, w_n, thr_n, nvis, m, invl, G, D, kts[ti * TS:(ti + 1) * TS],  # noqa: F821
+                           kps[ti * BN:(ti + 1) * BN], kmins[ti], nt, vis, acc, P, a_sum, a_last, a_win, a_low,
+                           do_sum, do_last, do_win, do_low, scale, BN)
+                    sl = slts[ti * BN:(ti + 1) * BN]
+                    for jj in range(nt):
+                        o = ob + sl[jj]
+                        if do_sum:
+                            out_sum[o] += a_sum[jj]
+                        if do_last:
+                            out_last[o] = a_last[jj]
+                        if do_win:
+                            out_win[o] += a_win[jj]
+                        if do_low:
+                            out_low[o] = out_low[o] * dec_b + a_low[jj]
+
+
+# ---------------------------------------------------------------- loading
+_K: Any = None
+_LOCK = threading.Lock()
+
+
+def _load() -> Any:
+    """Import numba and bind the compiled kernels (once per process; compiled lazily per type signature)."""
+    global _K
+    if _K is not None:
+        return _K
+    with _LOCK:
+        if _K is not None:
+            return _K
+        try:
+            import numba
+            from llvmlite import ir
+            from numba import types
+            from numba.extending import intrinsic
+        except ImportError as e:  # pragma: no cover - numba is a dependency
+            raise ImportError("update_attn_stats_cpu needs numba (requirements.lock pins numba==0.65.0: "
+                              "`pip install numba`), or use the torch collector "
+                              "(vtoken_runtime.stats.StatsCollector)") from e
+        make_llvmlite_scan_safe()
+
+        @intrinsic
+        def as_f32(typingctx, x):  # type: ignore[no-untyped-def]
+            """Reinterpret the bits of a 32-bit integer as float32."""
+            if not isinstance(x, types.Integer) or x.bitwidth != 32:
+                return None
+
+            def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+                return builder.bitcast(args[0], ir.FloatType())
+
+            return types.float32(x), codegen
+
+        @intrinsic
+        def tr8(typingctx, kraw, rowb, jb, d0, ktu, bn):  # type: ignore[no-untyped-def]
+            """8 keys x 8 dims, transposed: ``ktu[(d0+u)*bn + jb + i] = bits(kraw[rowb[jb+i] + d0 + u])`` for
+            i, u < 8 (bf16 bits widened into the high half of the fp32 bits): 8 vector loads, a 24-shuffle
+            transpose, 8 vector stores."""
+            if not (isinstance(kraw, types.Array) and kraw.dtype in (types.uint32, types.uint16)
+                    and isinstance(ktu, types.Array) and ktu.dtype == types.uint32):
+                return None
+
+            def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+                kty, rty, jty, dty, oty, bty = signature.args
+                k_a = context.make_array(kty)(context, builder, args[0])
+                r_a = context.make_array(rty)(context, builder, args[1])
+                o_a = context.make_array(oty)(context, builder, args[4])
+                i64 = ir.IntType(64)
+                jb_, d0_, bn_ = (context.cast(builder, args[n], t, types.int64)
+                                 for n, t in ((2, jty), (3, dty), (5, bty)))
+                wide = kty.dtype == types.uint16
+                elt = ir.IntType(16 if wide else 32)
+                v32 = ir.VectorType(ir.IntType(32), 8)
+                rows = []
+                for i in range(8):
+                    rb = builder.load(builder.gep(r_a.data, [builder.add(jb_, ir.Constant(i64, i))]))
+                    p = builder.gep(k_a.data, [builder.add(rb, d0_)])
+                    v = builder.load(builder.bitcast(p, ir.VectorType(elt, 8).as_pointer()), align=elt.width // 8)
+                    if wide:
+                        v = builder.shl(builder.zext(v, v32), ir.Constant(v32, [16] * 8))
+                    rows.append(v)
+
+                def shuf(a, b, idx):  # type: ignore[no-untyped-def]
+                    return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(ir.IntType(32), 8), idx))
+
+                lo, hi = [0, 8, 1, 9, 4, 12, 5, 13], [2, 10, 3, 11, 6, 14, 7, 15]
+                t = [shuf(rows[2 * (n // 2)], rows[2 * (n // 2) + 1], lo if n % 2 == 0 else hi) for n in range(8)]
+                p0, p1 = [0, 1, 8, 9, 4, 5, 12, 13], [2, 3, 10, 11, 6, 7, 14, 15]
+                s_ = [shuf(t[0], t[2], p0), shuf(t[0], t[2], p1), shuf(t[1], t[3], p0), shuf(t[1], t[3], p1),
+                      shuf(t[4], t[6], p0), shuf(t[4], t[6], p1), shuf(t[5], t[7], p0), shuf(t[5], t[7], p1)]
+                q0, q1 = [0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15]
+                for u in range(4):  # dims u and u + 4
+                    for du, idx in ((u, q0), (u + 4, q1)):
+                        off = builder.add(builder.mul(builder.add(d0_, ir.Constant(i64, du)), bn_), jb_)
+                        dst = builder.bitcast(builder.gep(o_a.data, [off]), v32.as_pointer())
+                        builder.store(shuf(s_[u], s_[u + 4], idx), dst, align=4)
+                return context.get_dummy_value()
+
+            return types.void(kraw, rowb, jb, d0, ktu, bn), codegen
+
+        g = globals()
+        g["_as_f32"] = as_f32
+        g["_tr8"] = tr8
+        opts = {"cache": True, "nogil": True, "fastmath": False}
+        g["_fexp"] = numba.njit(inline="always", **opts)(_py_fexp)
+        g["_gather"] = numba.njit(**opts)(_py_gather)
+        g["_scores"] = numba.njit(**opts)(_py_scores)
+        g["_visible"] = numba.njit(inline="always", **opts)(_py_visible)
+        g["_width"] = numba.njit(inline="always", **opts)(_py_width)
+        g["_pass1"] = numba.njit(**opts)(_py_pass1)
+        g["_pass2"] = numba.njit(**opts)(_py_pass2)
+        _K = numba.njit(**opts)(_py_kernel)
+    return _K
+
+
+def kernels_available() -> bool:
+    """True when numba imports (the kernel can run); does not compile anything."""
+    try:
+        _load()
+    except ImportError:
+        return False
+    return True
+
+
+# ---------------------------------------------------------------- wrapper
+def _flat(t: torch.Tensor, as_dtype: torch.dtype | None = None) -> np.ndarray:
+    """1-D numpy array (zero copy) over the memory a tensor spans, from its first element; ``as_dtype``
+    reinterprets the bits (same element size)."""
+    if as_dtype is not None and as_dtype != t.dtype:
+        t = t.view(as_dtype)
+    span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) if t.numel() else 0
+    return torch.as_strided(t, (span,), (1,)).numpy()
+
+
+def _tile(D: int, block_n: int | None) -> int:
+    if block_n is not None:
+        if not 1 <= int(block_n) <= _MAX_TILE:
+            raise ValueError(f"block_n must be in [1, {_MAX_TILE}], got {block_n}")
+        return int(block_n)
+    return 128 if D <= 64 else 64
+
+
+def update_attn_stats_cpu(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cache_lens: torch.Tensor,
+    query_pos: torch.Tensor,
+    key_positions: torch.Tensor,
+    stats: dict[str, torch.Tensor],
+    scale: float | None = None,
+    obs_window: int = 32,
+    history_window: int = 64,
+    low_attn_threshold: float = 1.0,
+    prompt_lens: torch.Tensor | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+) -> None:
+    """Update ``stats[name]`` (``[H_kv, S]`` float32 CPU tensors, names from :data:`STAT_NAMES`; only those
+    present are computed) in place for one layer and one step, exactly like the Triton
+    ``update_attn_stats`` (same arguments): ``query [B, Q, H_q, D]``, ``key_cache [NB, bs, H_kv, D]``
+    (float32 or bfloat16, any strides: a unit stride along D takes the vectorised 8 x 8 gather, another
+    stride (vLLM's CPU layout stores K dim-major) the scalar one, same bits),
+    ``block_tables [B, max_blocks]``, ``cache_lens [B]``, ``query_pos [B, Q]`` (-1 = padding),
+    ``key_positions [H_kv or 1, S]`` (-1 = dead), ``prompt_lens [B]`` (default: the end of this step).
+    ``block_n`` = key tile width (default 64 for D <= 64, else 32); ``num_warps`` is ignored (GPU only)."""
+    del num_warps
+    unknown = set(stats) - set(STAT_NAMES)
+    if unknown:
+        raise ValueError(f"unknown attention statistics {sorted(unknown)}; known: {STAT_NAMES}")
+    B, Q, Hq, D = query.shape
+    NB, bs, Hkv, Dk = key_cache.shape
+    if Dk != D or Hq % Hkv:
+        raise ValueError(f"query {tuple(query.shape)} does not match key cache {tuple(key_cache.shape)}")
+    if B == 0 or Q == 0 or not stats:
+        return
+    if key_cache.device.type != "cpu" or query.device.type != "cpu":
+        raise ValueError("update_attn_stats_cpu takes CPU tensors (the Triton kernel runs on GPUs)")
+    if key_cache.dtype == torch.float32:
+        kraw, shift = _flat(key_cache.detach(), torch.int32).view(np.uint32), 0
+    elif key_cache.dtype == torch.bfloat16:
+        kraw, shift = _flat(key_cache.detach(), torch.int16).view(np.uint16), 16
+    else:
+        raise ValueError(f"key_cache dtype {key_cache.dtype} not supported (float32, bfloat16)")
+    if key_positions.shape[0] not in (1, Hkv):
+        raise ValueError(f"key_positions rows must be 1 or H_kv={Hkv}, got {key_positions.shape[0]}")
+    outs: dict[str, np.ndarray] = {}
+    rs = None
+    for n in STAT_NAMES:
+        t = stats.get(n)
+        if t is None:
+            outs[n] = np.zeros(1, np.float32)
+            continue
+        if (t.dtype != torch.float32 or t.dim() != 2 or t.shape[0] != Hkv or t.stride(1) != 1
+                or t.device.type != "cpu" or (rs is not None and t.stride(0) != rs)):
+            raise ValueError("stats must be [H_kv, S] float32 CPU tensors with unit stride along S and equal strides")
+        rs = t.stride(0)
+        outs[n] = _flat(t)
+    k = _load()
+    G = Hq // Hkv
+    BN = _tile(D, block_n)
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    qf = query.detach().to(torch.float32).contiguous().numpy()
+    bt = np.ascontiguousarray(block_tables.numpy(), dtype=np.int32)
+    lens = np.ascontiguousarray(cache_lens.numpy(), dtype=np.int32)
+    qpos = np.ascontiguousarray(query_pos.numpy(), dtype=np.int64)
+    if prompt_lens is None:
+        plen = qpos.max(1) + 1
+    else:
+        plen = np.ascontiguousarray(prompt_lens.numpy(), dtype=np.int64)
+    kp = key_positions.detach()
+    if kp.dtype != torch.int64:
+        kp = kp.to(torch.int64)
+    if kp.stride(-1) != 1:
+        kp = kp.contiguous()
+    per_head = kp.shape[0] == Hkv and Hkv > 1
+    kpos = _flat(kp)
+    decay = np.float32(1.0 - 1.0 / int(history_window))
+    thr_g = np.float32(float(low_attn_threshold) * G)  # the collector's threshold * group_size, in fp32
+    k(qf, kraw, shift, key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), key_cache.stride(3), bt, lens, qpos, plen, kpos,
+      kp.stride(0) if per_head else 0, bs, Hkv, outs["attn_sum"], outs["attn_last"], outs["attn_window"],
+      outs["low_attn_count"], rs,
+      "attn_sum" in stats, "attn_last" in stats, "attn_window" in stats, "low_attn_count" in stats,
+      np.float32(scale), int(obs_window), decay, thr_g, BN, max(1, SCRATCH_BYTES // (D * BN * 4 + BN * 16)))

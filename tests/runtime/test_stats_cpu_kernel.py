@@ -1,0 +1,316 @@
+"""The numba CPU statistics kernel (``vtoken_runtime.stats.cpu_kernel.update_attn_stats_cpu``) equals the
+runtime's torch stats collector on a real VTokenCache over several steps (chunked prefill, decode with
+padding rows, eviction + reclaim or naive holes), per statistic, at request and head granularity, MHA and
+GQA, fp32 and bf16 caches, both KV layouts; and the torch kernel reference on random shapes (hypothesis).
+
+Tolerance (docs/kernels.md, as for the Triton kernel): atol 2e-6 + rtol 1e-5; ``low_attn_count`` may
+differ only by the weight of (query, key) pairs whose attention lies within 1e-5 (relative) of the
+low-attention threshold (the random tests compute that allowance from the reference's probabilities).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from vtoken_runtime.cache import VTokenCache
+from vtoken_runtime.kernels.attn_stats_ref import apply_step_stats, step_stats
+from vtoken_runtime.stats import StatsCollector
+from vtoken_runtime.stats import cpu_kernel as ck
+from vtoken_runtime.stats.cpu_kernel import STAT_NAMES, update_attn_stats_cpu
+from vtoken_sdk import StatsConfig
+
+pytest.importorskip("numba")
+pytestmark = [pytest.mark.filterwarnings("ignore::RuntimeWarning")]
+
+ATOL, RTOL, THR_RTOL = 2e-6, 1e-5, 1e-5
+SUBSETS = (STAT_NAMES, ("attn_sum",), ("attn_last",), ("attn_window",), ("low_attn_count",),
+           ("attn_last", "attn_window"))
+OBS, HIST = 3, 4
+LAYER = 1  # the kernel runs on the second of two layers (per-head position rows start at H_kv)
+
+
+def _collector_run(granularity: str, dtype: torch.dtype, G: int, layout: str, mode: str,
+                   block_n: int | None = None, H: int = 2, D: int = 16, bs: int = 4) -> None:
+    torch.manual_seed(0)
+    rng = np.random.default_rng(0)
+    L = 2
+    cache = VTokenCache(L, H, D, bs, num_blocks=40, granularity=granularity, mode=mode, kv_layout=layout,
+                        dtype=dtype, stat_names=STAT_NAMES, async_copy=False)
+    col = StatsCollector(cache, STAT_NAMES, StatsConfig(obs_window=OBS, history_window=HIST), G)
+    mirrors = [{n: cache.stats_tensor(n)[LAYER].clone() for n in sub} for sub in SUBSETS]
+    reqs = ["a", "b", "c"]
+    prompt = torch.tensor([9, 6, 4])  # a's window (positions 6..8) spans its two prefill chunks
+    # new tokens per step and request (0: the request is in the batch with padding rows only)
+    schedule = [(5, 6, 4), (4, 1, 0), (1, 1, 1), (3, 1, 1), (1, 1, 1), (1, 2, 1)]
+    for r in reqs:
+        cache.add_request(r)
+    for step, counts in enumerate(schedule):
+        Q = max(counts) + 1  # at least one padding row everywhere
+        query_pos = torch.full((len(reqs), Q), -1, dtype=torch.int64)
+        for i, (r, n) in enumerate(zip(reqs, counts, strict=True)):
+            if n == 0:
+                continue
+            start = cache.logical_len(r)
+            slots = cache.reserve(r, n)
+            assert slots is not None
+            for mirror in mirrors:  # the runtime zeroes the stats of new tokens' slots
+                for t in mirror.values():
+                    t[:, torch.as_tensor(slots)] = 0.0
+            for li in range(L):
+                cache.write_kv(li, r, torch.randn(n, H, D), torch.randn(n, H, D))
+            query_pos[i, :n] = torch.arange(start, start + n)
+        query = torch.randn(len(reqs), Q, H * G, D).to(dtype)
+        md = cache.attention_metadata(reqs)
+        col.attention(LAYER, query, md, query_pos, prompt)
+        for mirror in mirrors:
+            update_attn_stats_cpu(query, cache.key_cache(LAYER), md.block_tables, md.cache_lens, query_pos,
+                                  cache.key_positions(LAYER), mirror, obs_window=OBS, history_window=HIST,
+                                  prompt_lens=prompt, block_n=block_n)
+            for n, t in mirror.items():
+                torch.testing.assert_close(t, cache.stats_tensor(n)[LAYER], atol=ATOL, rtol=RTOL,
+                                           msg=lambda m, n=n, s=step, k=tuple(mirror): f"step {s} {n} ({k}): {m}")
+        if step == 2:  # evict 3 tokens per row (different ones per row at head granularity), then reclaim
+            for r in reqs:
+                live = cache.live_tokens(r)
+                keep = torch.ones(cache.num_rows, live, dtype=torch.bool)
+                for row in range(cache.num_rows):
+                    keep[row, rng.choice(np.arange(1, live - 1), size=3, replace=False)] = False
+                cache.apply_keep_mask(r, keep)
+            if mode != "naive":
+                cache.reclaim(reqs)
+            cache.fence()
+            for mirror in mirrors:  # stats move with their tokens
+                for n, t in mirror.items():
+                    t.copy_(cache.stats_tensor(n)[LAYER])
+    if mode == "naive":  # dead slots stayed inside the cache lengths
+        md = cache.attention_metadata(reqs)
+        assert int(md.cache_lens.sum()) > sum(cache.live_tokens(r) for r in reqs)
+
+
+@pytest.mark.parametrize("granularity", ["head", "request"])
+@pytest.mark.parametrize(("dtype", "G", "layout", "mode"), [
+    (torch.float32, 3, "vllm_cpu", "compact"),
+    (torch.float32, 1, "generic", "naive"),
+    (torch.bfloat16, 3, "generic", "ordered"),
+    (torch.bfloat16, 2, "vllm_cpu", "naive"),
+])
+def test_kernel_matches_stats_collector_over_steps(granularity: str, dtype: torch.dtype, G: int, layout: str,
+                                                   mode: str) -> None:
+    _collector_run(granularity, dtype, G, layout, mode)
+
+
+@pytest.mark.parametrize("block_n", [1, 5, 8, 13])
+def test_key_tile_widths(block_n: int) -> None:
+    """Tiles narrower than, not a multiple of, or equal to the 8-key transpose block."""
+    _collector_run("head", torch.float32, 3, "vllm_cpu", "compact", block_n=block_n)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_smollm2_shape(dtype: torch.dtype) -> None:
+    """SmolLM2-135M's attention shape (9 query / 3 KV heads, head size 64) with vLLM-CPU blocks of 32."""
+    _collector_run("head", dtype, 3, "vllm_cpu", "compact", H=3, D=64, bs=32)
+
+
+def _case(seed: int, B: int, Q: int, G: int, Hkv: int, D: int, bs: int, per_head: bool, dtype: torch.dtype,
+          prefill: bool, full: bool = False):
+    """Random paged batch in the vllm_cpu layout (a strided key view): random block tables, lengths,
+    true positions (15% dead, duplicates and any order), padding rows, some requests without queries
+    (``full``: every request at the longest length, no padding)."""
+    rng = np.random.default_rng(seed)
+    g = torch.Generator().manual_seed(seed)
+    max_blocks = 4
+    NB = B * max_blocks + 3
+    query = (torch.randn(B, Q, G * Hkv, D, generator=g) * 2).to(dtype)
+    cache = (torch.randn(NB, Hkv, bs, 2 * D, generator=g) * 2).to(dtype)
+    key_cache = cache[..., :D].permute(0, 2, 1, 3)  # [NB, bs, Hkv, D] view
+    bt = torch.as_tensor(rng.permutation(NB)[: B * max_blocks].reshape(B, max_blocks), dtype=torch.int32)
+    lo = max_blocks * bs if full else 0
+    lens = torch.as_tensor(rng.integers(lo, max_blocks * bs + 1, size=B), dtype=torch.int32)
+    S = NB * bs
+    R = Hkv if per_head else 1
+    kpos = torch.full((R, S), -1, dtype=torch.int64)
+    qpos = torch.full((B, Q), -1, dtype=torch.int64)
+    for b in range(B):
+        n = int(lens[b])
+        for j in range(n):
+            s = int(bt[b, j // bs]) * bs + j % bs
+            for r in range(R):
+                kpos[r, s] = -1 if rng.random() < 0.15 else int(rng.integers(0, n + Q))
+        nq = int(rng.integers(0, Q + 1)) if B > 1 and not full else Q
+        start = n if prefill else max(n - 1, 0)
+        qpos[b, :nq] = torch.arange(start, start + nq)
+    return query, key_cache, bt, lens, qpos, kpos, S
+
+
+def _check_against_reference(seed: int, B: int, Q: int, G: int, Hkv: int, D: int, bs: int, per_head: bool,
+                             dtype: torch.dtype, prefill: bool, obs: int, hist: int, thr: float,
+                             block_n: int | None, names: tuple[str, ...], with_plen: bool,
+                             scale: float | None, full: bool = False) -> dict[str, torch.Tensor]:
+    query, key_cache, bt, lens, qpos, kpos, S = _case(seed, B, Q, G, Hkv, D, bs, per_head, dtype, prefill, full)
+    plen = None
+    if with_plen:
+        plen = torch.as_tensor(np.random.default_rng(seed + 2).integers(0, bs * 4 + Q + 2, size=B))
+    g = torch.Generator().manual_seed(seed + 1)
+    init = {n: torch.rand(Hkv, S, generator=g) for n in STAT_NAMES}
+    got = {n: init[n].clone() for n in names}
+    want = {n: v.clone() for n, v in init.items()}
+    update_attn_stats_cpu(query, key_cache, bt, lens, qpos, kpos, got, scale=scale, obs_window=obs,
+                          history_window=hist, low_attn_threshold=thr, prompt_lens=plen, block_n=block_n)
+    c = step_stats(query, key_cache, key_cache, bt, lens, qpos, kpos, scale=scale, obs_window=obs,
+                   history_window=hist, low_attn_threshold=thr, prompt_lens=plen)
+    apply_step_stats(want, c, bt, lens, qpos, bs)
+    for n in names:
+        if n == "low_attn_count":
+            continue
+        torch.testing.assert_close(got[n], want[n], atol=ATOL, rtol=RTOL, msg=lambda m, n=n: f"{n}: {m}")
+    if "low_attn_count" in names:  # exact unless an attention value sits on the threshold
+        near = ((c["visible"] & ((c["P"] - c["threshold"]).abs() <= THR_RTOL * c["threshold"])).float()
+                * c["weight"][:, None, :, None]).sum(2)
+        slack = torch.zeros(Hkv, S)
+        apply_step_stats({"low_attn_count": slack}, {"low_attn_count": near, "low_attn_scale": c["low_attn_scale"]},
+                         bt, lens, qpos, bs)
+        diff = (got["low_attn_count"] - want["low_attn_count"]).abs()
+        assert bool((diff <= slack + ATOL + RTOL * want["low_attn_count"].abs()).all()), \
+            f"low_attn_count off by {diff.max()}"
+    return c
+
+
+@settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**16), B=st.integers(1, 3), Q=st.integers(1, 7), G=st.sampled_from([1, 2, 3, 4]),
+       Hkv=st.integers(1, 3), D=st.sampled_from([4, 6, 8, 16, 20]), bs=st.sampled_from([1, 2, 4, 8]),
+       per_head=st.booleans(), prefill=st.booleans(), bf16=st.booleans(), obs=st.integers(1, 4),
+       hist=st.integers(1, 8), thr=st.sampled_from([0.5, 1.0, 2.0]), block_n=st.sampled_from([None, 3, 8, 16]),
+       names=st.sampled_from(SUBSETS), with_plen=st.booleans(), scale=st.sampled_from([None, 0.3]))
+def test_hypothesis_shapes(seed, B, Q, G, Hkv, D, bs, per_head, prefill, bf16, obs, hist, thr, block_n,  # type: ignore[no-untyped-def]
+                           names, with_plen, scale) -> None:
+    _check_against_reference(seed, B, Q, G, Hkv, D, bs, per_head, torch.bfloat16 if bf16 else torch.float32,
+                             prefill, obs, hist, thr, block_n, names, with_plen, scale)
+
+
+def test_dense_case_exercises_every_rule() -> None:
+    """A fully valid prefill case (no padding) where every statistic and the threshold matter."""
+    c = _check_against_reference(3, 2, 6, 3, 2, 16, 4, True, torch.float32, True, 2, 3, 1.0, None, STAT_NAMES,
+                                 False, None, full=True)
+    assert c["visible"].sum() > 200 and (c["low_attn_count"] > 0).any() and (c["attn_window"] > 0).any()
+
+
+def test_scratch_chunks_are_bit_identical(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A scratch too small for a request's key tiles (pass 2 re-gathers earlier chunks) gives the same bits."""
+    query, key_cache, bt, lens, qpos, kpos, S = _case(7, 3, 5, 3, 2, 16, 4, True, torch.float32, True)
+    lens[:] = 16
+    base = {n: torch.rand(2, S, generator=torch.Generator().manual_seed(1)) for n in STAT_NAMES}
+    full = {n: v.clone() for n, v in base.items()}
+    update_attn_stats_cpu(query, key_cache, bt, lens, qpos, kpos, full, block_n=3)
+    for tiles in (1, 2):
+        monkeypatch.setattr(ck, "SCRATCH_BYTES", tiles * (16 * 3 * 4 + 3 * 16))
+        part = {n: v.clone() for n, v in base.items()}
+        update_attn_stats_cpu(query, key_cache, bt, lens, qpos, kpos, part, block_n=3)
+        for n in STAT_NAMES:
+            assert torch.equal(part[n], full[n]), n
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dim_major_keys_give_the_same_bits(dtype: torch.dtype) -> None:
+    """vLLM's CPU layout stores K dim-major inside a (block, head) region (stride along D = block size):
+    the scalar gather reads it and produces exactly the bits of the unit-stride (vectorised) gather."""
+    query, key_cache, bt, lens, qpos, kpos, S = _case(5, 3, 6, 2, 2, 32, 16, True, dtype, True)
+    NB, bs, H, D = key_cache.shape
+    dim_major = key_cache.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)  # storage [NB, H, D, bs]
+    assert dim_major.stride(-1) == bs and torch.equal(dim_major, key_cache)
+    base = {n: torch.rand(H, S, generator=torch.Generator().manual_seed(2)) for n in STAT_NAMES}
+    want = {n: v.clone() for n, v in base.items()}
+    got = {n: v.clone() for n, v in base.items()}
+    update_attn_stats_cpu(query, key_cache, bt, lens, qpos, kpos, want)
+    update_attn_stats_cpu(query, dim_major, bt, lens, qpos, kpos, got)
+    for n in STAT_NAMES:
+        assert torch.equal(got[n], want[n]), n
+
+
+def test_only_requested_stats_and_slots_are_written() -> None:
+    query, key_cache, bt, lens, qpos, kpos, S = _case(11, 2, 3, 2, 2, 8, 4, False, torch.float32, False)
+    got = {"attn_last": torch.full((2, S), 7.0)}
+    update_attn_stats_cpu(query, key_cache, bt, lens, qpos, kpos, got)
+    inside = torch.zeros(S, dtype=torch.bool)
+    for b in range(2):
+        for j in range(int(lens[b])):
+            inside[int(bt[b, j // 4]) * 4 + j % 4] = True
+    assert bool((got["attn_last"][:, ~inside] == 7.0).all())  # slots outside every request untouched
+    assert bool((got["attn_last"][:, inside] != 7.0).all())  # overwritten (0 where not attended)
+
+
+def test_bad_arguments() -> None:
+    query, key_cache, bt, lens, qpos, kpos, S = _case(0, 1, 1, 1, 1, 8, 4, False, torch.float32, False)
+    stats = {"attn_sum": torch.zeros(1, S)}
+    with pytest.raises(ValueError, match="unknown attention statistics"):
+        update_attn_stats_cpu(query, key_cache, bt, lens, qpos, kpos, {"key_norm": torch.zeros(1, S)})
+    with pytest.raises(ValueError, match="not supported"):
+        update_attn_stats_cpu(query, key_cache.to(torch.float16), bt, lens, qpos, kpos, stats)
+    with pytest.raises(ValueError, match="does not match"):
+        update_attn_stats_cpu(query[..., :4], key_cache, bt, lens, qpos, kpos, stats)
+    with pytest.raises(ValueError, match="float32"):
+        update_attn_stats_cpu(query, key_cache, bt, lens, qpos, kpos, {"attn_sum": torch.zeros(1, S, dtype=torch.float64)})
+    with pytest.raises(ValueError, match="block_n"):
+        update_attn_stats_cpu(query, key_cache, bt, lens, qpos, kpos, stats, block_n=0)
+    update_attn_stats_cpu(query[:, :0], key_cache, bt, lens, qpos[:, :0], kpos, stats)  # no queries: no-op
+    assert not stats["attn_sum"].any()
+
+
+def test_llvmlite_survives_vllm_rebinding_scan() -> None:
+    """vLLM's worker init scans every module attribute (``vllm.triton_utils.dispatcher._rebind_kernels``:
+    ``vars(value).get("kernel")`` for values with a ``__dict__``); llvmlite's ``ffi.lib`` used to break it."""
+    assert ck.kernels_available()
+    ffi = sys.modules["llvmlite.binding.ffi"]
+
+    def scan() -> None:  # the loop of vllm.triton_utils.dispatcher._rebind_kernels, minus the rebinding
+        for name, module in list(sys.modules.items()):
+            if name.split(".")[0] not in ("numba", "llvmlite"):
+                continue
+            namespace = getattr(module, "__dict__", None)
+            if not namespace:
+                continue
+            for value in list(namespace.values()):
+                if hasattr(value, "__dict__"):
+                    vars(value).get("kernel")
+
+    saved = ffi.lib._fntab.pop("__dict__")  # _load() applied the fix
+    try:  # without the fix: the crash vLLM hit
+        with pytest.raises(AttributeError, match="_lib_fn_wrapper"):
+            vars(ffi.lib).get("kernel")
+    finally:
+        ffi.lib._fntab["__dict__"] = saved
+    assert ck.make_llvmlite_scan_safe()
+    scan()
+
+
+def test_lazy_numba_import_and_vllm_kernel_overrides() -> None:
+    """In a fresh process: importing the module does not import numba; then the real scan, vLLM's CPU
+    platform registering its Triton-kernel overrides (what ``init_worker`` does for every engine) after
+    numba was imported, crashes without the fix and passes with it."""
+    code = """
+import sys, warnings; warnings.simplefilter("ignore")
+from vtoken_runtime.stats import cpu_kernel
+assert "numba" not in sys.modules and "llvmlite" not in sys.modules, "numba imported with the module"
+try:
+    from vllm.platforms import current_platform
+except ImportError:
+    print("no vllm"); sys.exit(0)
+import numba  # noqa: F401  (nothing jitted: the import alone is enough)
+try:
+    current_platform.register_triton_kernel_overrides()
+    crashed = False
+except AttributeError as e:
+    crashed = "_lib_fn_wrapper" in str(e)
+assert cpu_kernel.make_llvmlite_scan_safe()
+current_platform.register_triton_kernel_overrides()
+current_platform.register_triton_kernel_overrides()
+print("crashed without the fix:", crashed)
+"""
+    out = subprocess.run([sys.executable, "-c", code], check=True, timeout=300, capture_output=True, text=True)
+    assert "crashed without the fix:" in out.stdout or "no vllm" in out.stdout
