@@ -1,4 +1,10 @@
-"""One table of (policy, settings) cases that every generic test runs over."""
+"""One table of (policy, settings) cases that every generic test runs over.
+
+``CASES``: the shipped policies and the DSL test policies the runtime can feed today (scalar statistics;
+they exercise chunk pooling, token reductions, softmax, ``s.layer``/``s.head``). ``VECTOR_CASES``: policies
+reading vector statistics (``StatsBatch.vectors``: keys, values, query summaries), which the SDK's generic
+tests run over too (``ALL_CASES``); they join ``CASES`` once the runtime gathers vectors for the adapters.
+"""
 
 from __future__ import annotations
 
@@ -19,7 +25,20 @@ CASES: list[tuple[str, dict[str, Any]]] = [
     ("tova", {"protect": [vt.sinks(2), vt.protect_if(lambda s: s.attn_last > 1.0)]}),
     ("knorm", {}),
     ("knorm", {"granularity": "request", "budget": vt.Budget.evict(0.3)}),
+    ("chunkkv", {}),
+    ("observed_attention", {}),
+    ("attn_zscore", {"protect": [vt.sinks(1), vt.protect_if(lambda s: s.attn_last >= vt.token_max(s.attn_last))]}),
+    ("layer_weighted", {}),
 ]
+
+VECTOR_CASES: list[tuple[str, dict[str, Any]]] = [
+    ("keydiff", {}),
+    ("keydiff", {"granularity": "request"}),
+    ("query_dot", {}),
+    ("expected_attention", {}),
+]
+
+ALL_CASES = CASES + VECTOR_CASES
 
 
 def case_id(case: tuple[str, dict[str, Any]]) -> str:
@@ -29,5 +48,7 @@ def case_id(case: tuple[str, dict[str, Any]]) -> str:
 
 def build(case: tuple[str, dict[str, Any]]) -> vt.Policy:
     name, kw = case
-    p = vtoken_policies.load(name)
+    from tests.sdk.dsl_policies import POLICIES
+
+    p = POLICIES[name] if name in POLICIES else vtoken_policies.load(name)
     return p.configure(**kw) if kw else p

@@ -14,17 +14,30 @@ from .errors import PolicyDefinitionError, PolicyRuntimeError, VTokenError
 from .ir import (
     abs,
     avg_pool,
+    chunk_max,
+    chunk_mean,
     clamp,
+    cosine,
+    dot,
     exp,
+    group_mean,
     head_mean,
     isnan,
     log,
+    matvec,
     max_pool,
     maximum,
     minimum,
+    norm,
+    quad,
     sigmoid,
+    softmax,
     sqrt,
     tanh,
+    token_max,
+    token_mean,
+    token_std,
+    token_sum,
     where,
 )
 from .policy import Params, Policy, PolicySpec, mask_policy, policy
@@ -37,5 +50,7 @@ __all__ = [
     "PolicySpec", "StatsBatch", "StatsConfig", "TokenStats", "VTokenError", "abs", "avg_pool", "clamp", "exp",
     "head_mean", "isnan", "log", "mask_policy", "max_pool", "maximum", "minimum", "policy", "protect_if", "recent",
     "select", "sigmoid", "sinks", "span", "sqrt", "tanh", "where",
+    "chunk_max", "chunk_mean", "cosine", "dot", "group_mean", "matvec", "norm", "quad", "softmax", "token_max",
+    "token_mean", "token_std", "token_sum",
 ]
 __version__ = "0.1.0"

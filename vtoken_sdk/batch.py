@@ -8,9 +8,16 @@ Layout (all on one device)::
     seq_lens     [B] int64             tokens the request has processed (logical length)
     pinned       [B, L|1, H|1, N] bool  explicit per-request pins (spans), optional
     budget       [B] int64             overrides Budget.resolve(seq_len) when given
+    vectors[name] float32              vector statistics (policy.vector_reads), shape [B, L|1, H|1, *axes]:
+        key, value          [B, L, H, N, D]     the cached key (post-RoPE) / value of every token,
+                                                 in the same logical order as positions (padding: any value)
+        query_mean          [B, L, H, D]        see vtoken_sdk.stats.CATALOG for the exact definitions
+        query_mean_future   [B, L, H, G, D]
+        query_cov_future    [B, L, H, G, D, D]
+    head_dim     int                   D when no vector is given (a policy reading only s.head_dim)
 
 ``L`` layers x ``H`` KV heads are the *rows* of a request. Entries at ``n >= lengths[b]``
-are padding: never read by pooling, never kept.
+are padding: never read by pooling or token reductions, never kept.
 """
 
 from __future__ import annotations
@@ -32,16 +39,45 @@ class StatsBatch:
     budget: Tensor | None = None
     layer_offset: int = 0
     meta: Mapping[str, object] = field(default_factory=dict)
+    vectors: Mapping[str, Tensor] = field(default_factory=dict)
+    head_dim: int | None = None
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
         """``(B, L, H, N)``."""
-        shapes = [t.shape for t in self.stats.values()] + [self.positions.shape]
+        shapes = [t.shape for t in self.stats.values()] + [t.shape for t in self.vectors.values()] + \
+            [self.positions.shape]
         b = len(self.lengths)
         l_ = max(s[1] for s in shapes)
         h = max(s[2] for s in shapes)
         n = self.positions.shape[-1]
         return b, l_, h, n
+
+    def dims(self) -> tuple[int, int]:
+        """``(D, G)``: head dimension and query heads per KV head, from the vectors (1 when absent).
+
+        Raises ValueError when the vectors disagree (every vector of a batch has the same D)."""
+        from .stats import CATALOG
+
+        found: dict[str, set[int]] = {"D": set(), "G": set()}
+        for name, t in self.vectors.items():
+            info = CATALOG.get(name)
+            if info is None:
+                raise ValueError(f"unknown vector statistic {name!r} in StatsBatch.vectors")
+            if t.dim() != 3 + len(info.axes):
+                raise ValueError(f"StatsBatch.vectors[{name!r}] has shape {list(t.shape)}, expected "
+                                 f"[B, L, H, {', '.join(info.axes)}]")
+            for ax, size in zip(info.axes, t.shape[3:], strict=True):
+                if ax in ("D", "E"):
+                    found["D"].add(int(size))
+                elif ax == "G":
+                    found["G"].add(int(size))
+        if self.head_dim is not None:
+            found["D"].add(int(self.head_dim))
+        for ax, sizes in found.items():
+            if len(sizes) > 1:
+                raise ValueError(f"StatsBatch.vectors disagree on {ax}: {sorted(sizes)}")
+        return next(iter(found["D"]), 1), next(iter(found["G"]), 1)
 
     @property
     def device(self) -> torch.device:
@@ -59,6 +95,8 @@ class StatsBatch:
             budget=None if self.budget is None else self.budget[ix],
             layer_offset=self.layer_offset,
             meta=self.meta,
+            vectors={k: v[ix] for k, v in self.vectors.items()},
+            head_dim=self.head_dim,
         )
 
     @staticmethod

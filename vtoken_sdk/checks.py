@@ -7,6 +7,7 @@ with the request/row that broke the contract.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +35,7 @@ CHECKS: dict[str, str] = {
     "deterministic": "same mask twice under a fixed seed",
     "batch_invariant": "a request's mask ignores the rest of the batch",
     "nan_inf": "NaN/inf statistics follow the contract",
+    "backend_equal": "Triton kernels == torch reference (masks bit-identical; CUDA or TRITON_INTERPRET=1)",
 }
 
 
@@ -145,6 +147,59 @@ def prop_nan_inf(compiled: Any, batch: StatsBatch) -> None:
     prop_padding(compiled, batch)
 
 
+def _triton_runnable() -> str | None:
+    """Why the Triton backend cannot run here (None when it can: CUDA, or TRITON_INTERPRET=1)."""
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed"
+    if os.environ.get("TRITON_INTERPRET", "0") != "1" and not torch.cuda.is_available():
+        return "no CUDA device (set TRITON_INTERPRET=1 to run the kernels on CPU)"
+    return None
+
+
+def _to(batch: StatsBatch, device: Any) -> StatsBatch:
+    from dataclasses import replace
+
+    def mv(t: Any) -> Any:
+        return None if t is None else t.to(device)
+
+    return replace(batch, stats={k: v.to(device) for k, v in batch.stats.items()}, lengths=batch.lengths.to(device),
+                   positions=batch.positions.to(device), seq_lens=batch.seq_lens.to(device), pinned=mv(batch.pinned),
+                   budget=mv(batch.budget), vectors={k: v.to(device) for k, v in batch.vectors.items()})
+
+
+def prop_backend_equal(compiled: Any, batch: StatsBatch) -> None:
+    """The Triton kernels against the torch reference: bit-identical masks (and scores) for policies of
+    exactly rounded ops; for ``log``/``tanh``/``pow`` scores within 1e-5 and the Triton mask holds the
+    contract (masks may then differ where two scores are within a few ulp)."""
+    tp = compiled.policy.compile("triton")
+    dev = "cpu" if os.environ.get("TRITON_INTERPRET", "0") == "1" else "cuda"
+    got = tp.keep_mask(_to(batch, dev)).cpu()
+    want = compiled.keep_mask(batch)
+    if tp.generated.exact:
+        if not torch.equal(got, want):
+            raise ContractViolation(f"Triton mask differs from the torch reference at {_where(got != want)}")
+        return
+    s_t, s_r = tp.scores(_to(batch, dev)).cpu(), compiled.scores(batch)
+    valid = (torch.arange(batch.shape[-1]) < batch.lengths[:, None])[:, None, None, :]
+    if not torch.allclose(s_t[valid.expand_as(s_t)], s_r[valid.expand_as(s_r)], rtol=1e-5, atol=1e-5,
+                          equal_nan=True):
+        raise ContractViolation("Triton scores differ from the torch reference by more than 1e-5")
+    prop_pins(_Fixed(compiled, got), batch)
+    prop_budget(_Fixed(compiled, got), batch)
+
+
+class _Fixed:
+    """A compiled policy whose keep_mask is a given mask (to check another backend's mask)."""
+
+    def __init__(self, compiled: Any, mask: torch.Tensor) -> None:
+        self.policy, self.pins, self.mask = compiled.policy, compiled.pins, mask
+
+    def keep_mask(self, batch: StatsBatch) -> torch.Tensor:
+        return self.mask
+
+
 PROPS: dict[str, tuple[Callable[[Any, StatsBatch], None], tuple[str, ...]]] = {
     "score_shape": (prop_score_shape, ("ties", "continuous")),
     "pins_kept": (prop_pins, ("ties", "continuous", "special")),
@@ -153,13 +208,14 @@ PROPS: dict[str, tuple[Callable[[Any, StatsBatch], None], tuple[str, ...]]] = {
     "deterministic": (prop_deterministic, ("ties", "continuous", "special")),
     "batch_invariant": (prop_batch_invariant, ("ties", "continuous", "special")),
     "nan_inf": (prop_nan_inf, ("special",)),
+    "backend_equal": (prop_backend_equal, ("ties", "continuous", "special")),
 }
 
 
 def run_property(policy: Policy, prop: Callable[[Any, StatsBatch], None], modes: tuple[str, ...],
                  examples: int) -> CheckResult:
     compiled = policy.compile("torch")
-    stat_names = tuple(sorted(policy.stored_reads))
+    stat_names = tuple(sorted(policy.stored_reads)) + tuple(sorted(policy.vector_reads))
     last: dict[str, Any] = {}
 
     @settings(max_examples=examples, deadline=None, database=None, derandomize=True, print_blob=False,
@@ -197,6 +253,15 @@ def run_checks(policy: Policy, examples: int = 200, only: tuple[str, ...] | None
                                           f"reads {sorted(policy.reads)}" if not unknown else f"unknown {unknown}"))
     for name, (prop, modes) in PROPS.items():
         if name not in wanted:
+            continue
+        if name == "backend_equal":
+            why = "a mask policy runs on the torch backend only" if policy.kind != "score" else _triton_runnable()
+            if why is not None:
+                report.results.append(CheckResult(name, True, f"skipped: {why}"))
+                continue
+            res = run_property(policy, prop, modes, min(examples, 25))
+            res.name = name
+            report.results.append(res)
             continue
         res = run_property(policy, prop, modes, examples)
         res.name = name

@@ -31,7 +31,7 @@ from . import ir
 from .budget import Budget
 from .errors import PolicyDefinitionError, traceback_line_in_file
 from .protect import Predicate, Rule, flatten
-from .stats import CATALOG, STORED_STATS, StatsConfig
+from .stats import CATALOG, STORED_STATS, VECTOR_STATS, StatsConfig
 
 if TYPE_CHECKING:
     from .backend import CompiledPolicy
@@ -99,6 +99,12 @@ def _trace(fn: Callable[..., Any], args: tuple[Any, ...], what: str) -> ir.Node:
         line = returned_at[-1]
     if isinstance(out, ir.Expr):
         node = out.node
+        if set(node.axes) - {"N"}:
+            raise PolicyDefinitionError(
+                f"{what} returned a {ir.kind_name(node.axes)}, expected one number per token [B,H,N] "
+                "(or per head [B,H,1])", file=file, line=line,
+                hint="reduce the head dimension with vt.dot / vt.norm / vt.cosine and the query heads with "
+                     "vt.group_mean")
     elif isinstance(out, (int, float)) and not isinstance(out, bool):
         node = ir.Const(float(out))
     else:
@@ -157,6 +163,8 @@ class Policy:
         self.spec = spec.model_copy(update={"protect": tuple(pin_rules)})
         self.reads: frozenset[str] = frozenset(reads)
         self.stored_reads: frozenset[str] = frozenset(r for r in reads if r in STORED_STATS)
+        # vector statistics the runtime gathers for this policy (StatsBatch.vectors)
+        self.vector_reads: frozenset[str] = frozenset(r for r in reads if r in VECTOR_STATS)
         self._compiled: dict[str, Any] = {}
 
     # --------------------------------------------------------------- metadata

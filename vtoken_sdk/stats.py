@@ -1,15 +1,22 @@
-"""The catalog of per-token statistics a policy may read.
+"""The catalog of statistics a policy may read.
 
-A policy is a function ``score(s: TokenStats) -> Tensor`` (higher = keep). Every
-attribute of :class:`TokenStats` is a float32 tensor of shape ``[B, H, N]``:
-``B`` requests, ``H`` KV heads of one layer, ``N`` live tokens of each request in
-ascending true position (the *logical view*, whatever the physical layout is).
-The runtime evaluates all layers at once (``[B, L, H, N]``); score functions are
-elementwise/token-axis/head-mean math, so they never see the difference.
+A policy is a function ``score(s: TokenStats) -> Tensor`` (higher = keep). Most
+attributes of :class:`TokenStats` are *token-scalars*: float32 ``[B, H, N]``, ``B``
+requests, ``H`` KV heads of one layer, ``N`` live tokens of each request in ascending
+true position (the *logical view*, whatever the physical layout is). The runtime
+evaluates all layers at once (``[B, L, H, N]``); score functions never see the difference.
+
+Kinds (``StatInfo.kind``): *stored* statistics are accumulated per slot by the runtime from
+the real attention; *derived* ones are computed from positions / shapes; *vector* ones
+(``key``, ``value``, query summaries) are not stored per slot: the runtime gathers them
+from the KV cache through the token table, or summarises the recent queries, only when
+a policy reads them, and hands them over in ``StatsBatch.vectors``. Their shapes
+(``StatInfo.axes``, besides ``B, H``): ``N`` tokens, ``D`` head dimension, ``G`` query
+heads per KV head (GQA group, query head ``h * G + g`` of KV head ``h``), ``E`` a second
+``D`` (matrices).
 
 The decorator records which statistics a policy reads; the runtime collects
-only those (``policy.reads``). *Stored* statistics are accumulated by the runtime
-from the real attention; *derived* ones are computed from positions.
+only those (``policy.reads``, ``policy.stored_reads``, ``policy.vector_reads``).
 """
 
 from __future__ import annotations
@@ -26,19 +33,30 @@ class StatInfo:
 
     ``source``: ``"attention"`` (from the attention probabilities of each query, summed over the
     query heads of the token's KV head), ``"kv"`` (from the cached key/value when it is written),
-    ``"position"`` (derived from true positions, never stored). ``prefill`` / ``decode``: the update
-    rule for the queries of a prompt and for generated tokens; ``config``: the ``StatsConfig`` fields
-    the rule reads. Collectors implementing it: the torch reference (``vtoken_runtime.stats``, used by
-    the HF adapter and the vLLM plugin) and the Triton kernel (``vtoken_runtime.kernels``).
+    ``"position"`` (derived from true positions, never stored), ``"index"`` (derived from the
+    layer / head index or the head dimension), ``"kvcache"`` (vectors read from the KV cache through
+    the token table at eviction time), ``"query"`` (summaries of the request's recent queries, kept
+    by the runtime per layer). ``prefill`` / ``decode``: the update rule for the queries of a prompt
+    and for generated tokens; ``config``: the ``StatsConfig`` fields the rule reads; ``axes``: the
+    axes besides ``[B, H]`` (``StatsBatch`` layout: ``[B, L, H, *axes]``). Collectors implementing
+    it: the torch reference (``vtoken_runtime.stats``, used by the HF adapter and the vLLM plugin)
+    and the Triton kernel (``vtoken_runtime.kernels``).
     """
 
     name: str
-    kind: Literal["stored", "derived"]
+    kind: Literal["stored", "derived", "vector"]
     doc: str
-    source: Literal["attention", "kv", "position"] = "attention"
+    source: Literal["attention", "kv", "position", "index", "kvcache", "query"] = "attention"
     prefill: str = ""
     decode: str = ""
     config: tuple[str, ...] = ()
+    axes: tuple[str, ...] = ("N",)
+
+    @property
+    def shape(self) -> str:
+        """The shape a score function sees, e.g. ``[B, H, N, D]`` (``E`` prints as ``D``)."""
+        dims = ["B", "H", *("D" if a == "E" else a for a in self.axes)]
+        return "[" + ", ".join(dims if self.axes else [*dims, "1"]) + "]"
 
 
 CATALOG: dict[str, StatInfo] = {
@@ -74,11 +92,55 @@ CATALOG: dict[str, StatInfo] = {
         StatInfo("random", "derived",
                  "uniform [0, 1) from a counter hash of (seed, layer, head, position): "
                  "deterministic, independent of the batch", source="position", config=("seed",)),
+        StatInfo("layer", "derived",
+                 "index of the layer (StatsBatch.layer_offset + row layer), float32, one value per head "
+                 "[B, H, 1] broadcast over the tokens", source="index", axes=()),
+        StatInfo("head", "derived",
+                 "index of the KV head within its layer (0..H-1), float32 [B, H, 1]", source="index", axes=()),
+        StatInfo("head_dim", "derived",
+                 "D, the size of the key / value / query vectors, float32 [B, H, 1] (for 1/sqrt(D) scalings)",
+                 source="index", axes=()),
+        StatInfo("key", "vector",
+                 "the token's key in this KV head exactly as cached, i.e. after RoPE at its true position "
+                 "(the vector attention reads), float32 [B, H, N, D]",
+                 source="kvcache", prefill="read from the KV cache at eviction time (not stored per slot)",
+                 decode="read from the KV cache at eviction time (not stored per slot)", axes=("N", "D")),
+        StatInfo("value", "vector",
+                 "the token's value in this KV head exactly as cached, float32 [B, H, N, D]",
+                 source="kvcache", prefill="read from the KV cache at eviction time (not stored per slot)",
+                 decode="read from the KV cache at eviction time (not stored per slot)", axes=("N", "D")),
+        StatInfo("query_mean", "vector",
+                 "mean of the post-RoPE query vectors of the last W = min(obs_window, seq_len) query tokens "
+                 "the request has processed (positions [seq_len - W, seq_len), prompt or generated), pooled "
+                 "over the G query heads of the KV head: (1 / (G W)) sum_g sum_q q_rope[h*G + g, q], "
+                 "float32 [B, H, D] (broadcast over the tokens)",
+                 source="query", prefill="summary of the window at eviction time",
+                 decode="summary of the window at eviction time", config=("obs_window",), axes=("D",)),
+        StatInfo("query_mean_future", "vector",
+                 "ExpectedAttention's query mean per query head: Rbar @ mu_g, where mu_g = (1/W) sum_q "
+                 "q_pre[h*G + g, q] is the mean of the pre-RoPE queries of query head h*G + g over the same "
+                 "W = min(obs_window, seq_len) latest query tokens, and Rbar = (1/F) sum_{p=seq_len}^{seq_len+F-1} "
+                 "R(p) the average RoPE rotation of the next F = future_window positions (R(p) the D x D matrix "
+                 "with rope(q, p) = R(p) @ q, as the model's rotary embedding computes it), float32 [B, H, G, D]",
+                 source="query", prefill="summary of the window at eviction time",
+                 decode="summary of the window at eviction time", config=("obs_window", "future_window"),
+                 axes=("G", "D")),
+        StatInfo("query_cov_future", "vector",
+                 "ExpectedAttention's query covariance per query head: Rbar @ S_g @ Rbar^T, where S_g = (1/W) "
+                 "sum_q (q_pre - mu_g)(q_pre - mu_g)^T is the population covariance of the pre-RoPE queries of "
+                 "query head h*G + g over the W latest query tokens (mu_g, Rbar as in query_mean_future), "
+                 "float32 [B, H, G, D, D] (row index D, column index E)",
+                 source="query", prefill="summary of the window at eviction time",
+                 decode="summary of the window at eviction time", config=("obs_window", "future_window"),
+                 axes=("G", "D", "E")),
     )
 }
 
 STORED_STATS: tuple[str, ...] = tuple(n for n, s in CATALOG.items() if s.kind == "stored")
 DERIVED_STATS: tuple[str, ...] = tuple(n for n, s in CATALOG.items() if s.kind == "derived")
+VECTOR_STATS: tuple[str, ...] = tuple(n for n, s in CATALOG.items() if s.kind == "vector")
+KVCACHE_STATS: tuple[str, ...] = tuple(n for n, s in CATALOG.items() if s.source == "kvcache")
+QUERY_STATS: tuple[str, ...] = tuple(n for n, s in CATALOG.items() if s.source == "query")
 ATTENTION_STATS: tuple[str, ...] = tuple(n for n, s in CATALOG.items() if s.source == "attention")
 KV_STATS: tuple[str, ...] = tuple(n for n, s in CATALOG.items() if s.source == "kv")
 
@@ -93,14 +155,18 @@ class StatsConfig(BaseModel):
     low_attn_threshold: float = Field(default=1.0, gt=0.0,
                                       description="fraction of uniform attention counted as low")
     seed: int = Field(default=0, ge=0, description="seed of the `random` statistic")
+    future_window: int = Field(default=512, ge=1,
+                               description="future positions averaged into query_*_future (ExpectedAttention)")
 
 
 class TokenStats:
-    """Per-token statistics of a batch, ``[B, H, N]`` float32 each (see module doc).
+    """Statistics of a batch (see module doc): token-scalars ``[B, H, N]`` float32, head-scalars
+    ``[B, H, 1]``, vectors with the shapes of ``CATALOG[name].shape``.
 
     Attributes (see ``vtoken_sdk.stats.CATALOG`` for the full text):
     ``attn_sum``, ``attn_last``, ``attn_window``, ``low_attn_count``, ``key_norm``,
-    ``value_norm``, ``position``, ``age``, ``random``.
+    ``value_norm``, ``position``, ``age``, ``random``, ``layer``, ``head``, ``head_dim``,
+    ``key``, ``value``, ``query_mean``, ``query_mean_future``, ``query_cov_future``.
 
     During decoration a tracing instance hands out symbolic expressions; at run time
     (custom mask policies, the validator) an instance holds real tensors.

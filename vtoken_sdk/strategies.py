@@ -16,7 +16,7 @@ import torch
 from hypothesis import strategies as st
 
 from .batch import StatsBatch
-from .stats import STORED_STATS
+from .stats import CATALOG, STORED_STATS, VECTOR_STATS
 
 MODES = ("ties", "continuous", "special")
 
@@ -36,20 +36,64 @@ class BatchSpec:
     per_row_positions: bool
     spans: tuple[tuple[int, int, int], ...]
     budget: tuple[int, ...] | None
+    head_dim: int = 4  # D of the vector statistics
+    groups: int = 2  # G: query heads per KV head
 
     def describe(self) -> str:
         return (f"B={self.b} L={self.layers} H={self.heads} N={self.n} lengths={list(self.lengths)} "
                 f"evicted-before={list(self.gaps)} mode={self.mode} seed={self.seed} "
-                f"per_row_positions={self.per_row_positions} spans={list(self.spans)} budget={self.budget}")
+                f"per_row_positions={self.per_row_positions} spans={list(self.spans)} budget={self.budget} "
+                f"D={self.head_dim} G={self.groups}")
 
 
-def build_batch(spec: BatchSpec, stat_names: tuple[str, ...] = STORED_STATS) -> StatsBatch:
-    """Materialise a :class:`BatchSpec` into tensors (deterministic in ``spec``)."""
+def _vector(rng: np.random.Generator, mode: str, shape: tuple[int, ...]) -> np.ndarray:
+    """Vector components: ``ties`` few distinct values (many equal dot products), ``continuous`` normal,
+    ``special`` normal with a few NaN / +-inf / -0.0 components."""
+    if mode == "ties":
+        return (rng.integers(-2, 3, size=shape) / 2).astype(np.float32)
+    v = rng.standard_normal(size=shape).astype(np.float32)
+    if mode == "special":
+        special = np.array([np.nan, np.inf, -np.inf, -0.0, 0.0], dtype=np.float32)
+        pick = rng.random(size=shape) < 0.05
+        v[pick] = rng.choice(special, size=int(pick.sum()))
+    return v
+
+
+def build_vectors(spec: BatchSpec, names: tuple[str, ...] = VECTOR_STATS) -> dict[str, torch.Tensor]:
+    """The vector statistics of a :class:`BatchSpec` (``StatsBatch.vectors`` layout), deterministic in
+    ``spec`` and independent of which scalar statistics are drawn. ``query_cov_future`` is symmetric
+    positive semi-definite (``A A^T / D``) outside the ``special`` mode's NaN/inf entries."""
+    rng = np.random.default_rng([spec.seed, 1])
+    d, g = spec.head_dim, spec.groups
+    rows = (spec.b, spec.layers, spec.heads)
+    sizes = {"N": spec.n, "G": g, "D": d, "E": d}
+    out: dict[str, torch.Tensor] = {}
+    for name in VECTOR_STATS:  # fixed order: a name's values do not depend on the others asked for
+        axes = CATALOG[name].axes
+        if name == "query_cov_future":
+            a = _vector(rng, "continuous" if spec.mode == "special" else spec.mode, (*rows, g, d, d))
+            v = (np.einsum("...ij,...kj->...ik", a.astype(np.float64), a.astype(np.float64)) / d).astype(np.float32)
+            if spec.mode == "special":
+                pick = rng.random(size=v.shape) < 0.02
+                v[pick] = rng.choice(np.array([np.nan, np.inf, -0.0], dtype=np.float32), size=int(pick.sum()))
+        else:
+            v = _vector(rng, spec.mode, (*rows, *(sizes[a] for a in axes)))
+        if name in names:
+            out[name] = torch.from_numpy(np.ascontiguousarray(v))
+    return out
+
+
+def build_batch(spec: BatchSpec, stat_names: tuple[str, ...] = STORED_STATS + VECTOR_STATS) -> StatsBatch:
+    """Materialise a :class:`BatchSpec` into tensors (deterministic in ``spec``): the stored statistics
+    and the vector statistics (``StatsBatch.vectors``) named in ``stat_names``."""
     rng = np.random.default_rng(spec.seed)
     b, l_, h, n = spec.b, spec.layers, spec.heads, spec.n
     shape = (b, l_, h, n)
     stats: dict[str, torch.Tensor] = {}
+    vector_names = tuple(x for x in stat_names if x in VECTOR_STATS)
     for name in stat_names:
+        if name in VECTOR_STATS:
+            continue
         if spec.mode == "ties":
             v = rng.integers(0, 4, size=shape).astype(np.float32) / 2
         elif spec.mode == "continuous":
@@ -76,13 +120,16 @@ def build_batch(spec: BatchSpec, stat_names: tuple[str, ...] = STORED_STATS) -> 
     for req, start, end in spec.spans:
         pinned[req] |= (positions[req] >= start) & (positions[req] < end) if rows == (1, 1) else False
     budget = None if spec.budget is None else torch.tensor(spec.budget, dtype=torch.int64)
+    vectors = build_vectors(spec, vector_names) if vector_names else {}
     return StatsBatch(stats=stats, lengths=lengths, positions=positions, seq_lens=seq_lens,
-                      pinned=pinned if spec.spans else None, budget=budget, meta={"spec": spec})
+                      pinned=pinned if spec.spans else None, budget=budget, meta={"spec": spec}, vectors=vectors,
+                      head_dim=spec.head_dim)
 
 
 @st.composite
 def batch_specs(draw: Any, max_b: int = 4, max_layers: int = 2, max_heads: int = 3, max_n: int = 48,
-                modes: tuple[str, ...] = MODES, allow_budget_override: bool = True) -> BatchSpec:
+                modes: tuple[str, ...] = MODES, allow_budget_override: bool = True, max_head_dim: int = 6,
+                max_groups: int = 3) -> BatchSpec:
     b = draw(st.integers(1, max_b))
     layers = draw(st.integers(1, max_layers))
     heads = draw(st.integers(1, max_heads))
@@ -99,11 +146,14 @@ def batch_specs(draw: Any, max_b: int = 4, max_layers: int = 2, max_heads: int =
     budget = None
     if allow_budget_override and draw(st.booleans()):
         budget = tuple(draw(st.lists(st.integers(0, n + 2), min_size=b, max_size=b)))
-    return BatchSpec(b, layers, heads, n, lengths, gaps, mode, seed, per_row, spans, budget)
+    head_dim = draw(st.integers(1, max_head_dim))
+    groups = draw(st.integers(1, max_groups))
+    return BatchSpec(b, layers, heads, n, lengths, gaps, mode, seed, per_row, spans, budget, head_dim, groups)
 
 
 def stats_batches(stat_names: tuple[str, ...] = STORED_STATS, **kw: Any) -> st.SearchStrategy[StatsBatch]:
-    """Strategy of :class:`StatsBatch` with the given stored statistics."""
+    """Strategy of :class:`StatsBatch` with the given stored and vector statistics (key / value /
+    query summaries of one consistent D and G per batch)."""
     return batch_specs(**kw).map(lambda s: build_batch(s, stat_names))
 
 

@@ -9,9 +9,11 @@ Use them in your own pytest suite::
         report = check_policy(my_policy, examples=300)
         assert report.ok, report.summary()
 
-Strategies draw shapes, lengths, spans, budgets and a generation mode through
-hypothesis (so failures shrink) and fill tensors from a seeded generator (so large
-batches stay fast). Modes: ``ties`` (few distinct values), ``continuous``,
+Strategies draw shapes, lengths, spans, budgets, the head dimension ``D`` and query
+heads per KV head ``G`` and a generation mode through hypothesis (so failures shrink)
+and fill tensors from a seeded generator (so large batches stay fast): the stored
+statistics, and keys / values / query summaries (``StatsBatch.vectors``) of one ``D``
+and ``G`` per batch. Modes: ``ties`` (few distinct values), ``continuous``,
 ``special`` (NaN, +-inf, -0.0 mixed in).
 """
 
@@ -20,10 +22,19 @@ from __future__ import annotations
 from typing import Any
 
 from .checks import run_checks
-from .strategies import MODES, BatchSpec, CheckResult, PolicyReport, batch_specs, build_batch, stats_batches
+from .strategies import (
+    MODES,
+    BatchSpec,
+    CheckResult,
+    PolicyReport,
+    batch_specs,
+    build_batch,
+    build_vectors,
+    stats_batches,
+)
 
-__all__ = ["MODES", "BatchSpec", "CheckResult", "PolicyReport", "batch_specs", "build_batch", "check_policy",
-           "stats_batches"]
+__all__ = ["MODES", "BatchSpec", "CheckResult", "PolicyReport", "batch_specs", "build_batch", "build_vectors",
+           "check_policy", "stats_batches"]
 
 
 def check_policy(policy: Any, examples: int = 200, checks: tuple[str, ...] | None = None) -> PolicyReport:

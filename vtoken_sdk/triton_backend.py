@@ -11,8 +11,11 @@
    tensor is written to global memory either way.
 
 ``R_OUT`` = ``L*H`` at head granularity, 1 at request granularity (the kernel then writes the same
-row to every (layer, head)). Runs on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1``
-(set it before this module is imported).
+row to every (layer, head)). Policies with token reductions (``vt.token_*``, ``vt.softmax``) first run
+one ``rowval_kernel_<i>`` per reduction, grid ``(B, L*H)``, in dependency order; they write the row
+values (``[B, L*H, RV_K]`` float32 scratch) that the score then loads. Vector statistics
+(``StatsBatch.vectors``) are read in place through their strides. Runs on CUDA tensors, or on CPU
+tensors under ``TRITON_INTERPRET=1`` (set it before this module is imported).
 
 Compiled modules are cached per (policy IR key, triton version, interpreter flag); Triton's own
 JIT cache then keys the binaries by the constexpr parameters (BLOCK, SINGLE, HAS_PINNED, RBLOCK).
@@ -33,6 +36,7 @@ from torch import Tensor
 
 from . import codegen_triton
 from .batch import StatsBatch
+from .ir import TOKEN_LANES
 from .reference import ReferencePolicy
 
 if TYPE_CHECKING:
@@ -146,11 +150,14 @@ class TritonPolicy:
             single = True
         else:
             block, single = self.tile, False
-        warps = self.num_warps or max(4, min(16, block // 256))
+        # loops over D / chunks / query heads keep more values live per token: fewer tokens per thread
+        per_warp = 128 if self.generated.heavy else 256
+        warps = self.num_warps or max(4, min(16, block // per_warp))
         return {"BLOCK": block, "SINGLE": single, "num_warps": warps}
 
     def _args(self, batch: StatsBatch) -> tuple[list[Any], bool]:
         shape = batch.shape
+        gen = self.generated
         pos = _row_view(batch.positions.to(torch.int64), shape)
         args: list[Any] = [shape[3], shape[1], shape[2], int(batch.layer_offset),
                            pos, pos.stride(0), pos.stride(1), pos.stride(2)]
@@ -161,20 +168,41 @@ class TritonPolicy:
             args += [pin, pin.stride(0), pin.stride(1), pin.stride(2)]
         else:
             args += [pos, 0, 0, 0]
-        for name in self.generated.stats:
+        for name in gen.stats:
             if name not in batch.stats:
                 raise ValueError(f"batch lacks statistic {name!r} that policy {self.policy.name!r} reads; "
                                  f"collect policy.stored_reads = {sorted(self.policy.stored_reads)}")
             t = _row_view(batch.stats[name].to(torch.float32), shape)
             args += [t, t.stride(0), t.stride(1), t.stride(2)]
+        names = {n for n, _ in gen.args}
+        d, g = batch.dims() if "D" in names else (1, 1)
+        if "D" in names:
+            args += [d, g]
+        for name in gen.vectors:
+            if name not in batch.vectors:
+                raise ValueError(f"batch lacks vector statistic {name!r} that policy {self.policy.name!r} reads; "
+                                 f"gather policy.vector_reads = {sorted(self.policy.vector_reads)} into "
+                                 "StatsBatch.vectors")
+            t = batch.vectors[name].to(torch.float32)
+            t = t.expand(shape[0], shape[1], shape[2], *t.shape[3:])
+            args += [t, *(int(x) for x in t.stride())]
+        if gen.reductions:
+            k = max(1, gen.rv_size(d, g))
+            rv = torch.empty((shape[0], shape[1] * shape[2], k), dtype=torch.float32, device=batch.device)
+            args += [rv, rv.stride(0), k]
         return args, has_pinned
 
     def _launch_inputs(self, batch: StatsBatch) -> tuple[list[Any], bool, Tensor, Tensor]:
-        """Kernel arguments shared by every launch: ``(args, has_pinned, lengths [B], seq_lens [B])``."""
+        """Kernel arguments shared by every launch: ``(args, has_pinned, lengths [B], seq_lens [B])``;
+        runs the row-value pre-passes (token reductions) first."""
         args, has_pinned = self._args(batch)
         dev = batch.device
         lengths = batch.lengths.to(device=dev, dtype=torch.int64).contiguous()
         seq = batch.seq_lens.to(device=dev, dtype=torch.int64).contiguous()
+        b, l_, h, _ = batch.shape
+        for i in range(len(self.generated.reductions)):
+            getattr(self.module, f"rowval_kernel_{i}")[(b, l_ * h)](
+                lengths, seq, *args, BLOCK=TOKEN_LANES, HAS_PINNED=has_pinned, num_warps=4, enable_fp_fusion=False)
         return args, has_pinned, lengths, seq
 
     # ------------------------------------------------------------------ outputs
@@ -279,18 +307,17 @@ def aot_compile(fn: Any, signature: dict[str, str], constexprs: dict[str, Any], 
 
 def aot_kernels(policy: Policy, arch: int = 90, max_single: int = DEFAULT_MAX_SINGLE,
                 tile: int = DEFAULT_TILE) -> list[KernelReport]:
-    """AOT-compile a policy's kernels at the default configuration: pin count, select (rows in
-    registers at ``max_single`` tokens, and the tiled multi-pass path), debug scores."""
+    """AOT-compile a policy's kernels at the default configuration: row-value pre-passes (token
+    reductions, if any), pin count, select (rows in registers at ``max_single`` tokens, and the tiled
+    multi-pass path), debug scores."""
     tp = TritonPolicy(policy, max_single=max_single, tile=tile, interpret=False)
     m = tp.module
-    stats = tp.generated.stats
-    kargs: dict[str, str] = {"N": "i32", "L": "i32", "H": "i32", "layer_offset": "i32",
-                             "pos_ptr": "*i64", "pos_sb": "i32", "pos_sl": "i32", "pos_sh": "i32",
-                             "pin_ptr": "*i8", "pin_sb": "i32", "pin_sl": "i32", "pin_sh": "i32"}
-    for s in stats:
-        kargs.update({f"s_{s}_ptr": "*fp32", f"s_{s}_sb": "i32", f"s_{s}_sl": "i32", f"s_{s}_sh": "i32"})
+    kargs: dict[str, str] = dict(tp.generated.args)
     head = {"lengths_ptr": "*i64", "seq_ptr": "*i64"}
     reports = []
+    for i in range(len(tp.generated.reductions)):
+        reports.append(aot_compile(getattr(m, f"rowval_kernel_{i}"), {**head, **kargs},
+                                   {"BLOCK": TOKEN_LANES, "HAS_PINNED": True}, arch, 4, f"{policy.name}.rowval[{i}]"))
     single = tp.config(max_single)
     tiled = tp.config(max_single + 1)
     reports.append(aot_compile(m.pin_count_kernel, {"npins_ptr": "*i32", **head, "R_OUT": "i32", **kargs},

@@ -1,0 +1,40 @@
+"""The generic contract checks over the policies that read vector statistics (``tests.cases.VECTOR_CASES``;
+``tests/policies/test_shipped.py`` runs them over ``CASES``): pins kept, exact budget, padding, determinism,
+batch invariance, NaN/inf, scores' shape - on random keys / values / query summaries of one D and G."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.cases import ALL_CASES, CASES, VECTOR_CASES, build, case_id
+from vtoken_sdk.checks import CHECKS
+from vtoken_sdk.testing import check_policy
+
+
+@pytest.mark.parametrize("case", VECTOR_CASES, ids=case_id)
+def test_vector_policies_hold_the_contract(case) -> None:
+    report = check_policy(build(case), examples=60)
+    assert report.ok, report.summary()
+    assert {r.name for r in report.results} == set(CHECKS)
+
+
+def test_every_new_op_is_in_a_generic_case() -> None:
+    from vtoken_sdk import ir
+
+    kinds = set()
+    stats = set()
+    for case in ALL_CASES:
+        p = build(case)
+        graphs = [p.node] + [r.node for r in p.spec.protect if getattr(r, "node", None) is not None]
+        for g in graphs:
+            for n in ir.walk(g):
+                kinds.add(type(n).__name__ if not isinstance(n, ir.TokenReduce) else f"token_{n.op}")
+                if isinstance(n, ir.Chunk):
+                    kinds.add(f"chunk_{n.op}")
+                if isinstance(n, ir.Stat):
+                    stats.add(n.name)
+    assert {"Dot", "MatVec", "GroupMean", "token_sum", "token_mean", "token_max", "chunk_mean",
+            "chunk_max"} <= kinds
+    assert {"key", "value", "query_mean", "query_mean_future", "query_cov_future", "layer", "head",
+            "head_dim"} <= stats
+    assert not {case_id(c) for c in CASES} & {case_id(c) for c in VECTOR_CASES}
