@@ -62,6 +62,49 @@ class CacheQueries:
         return (torch.as_tensor(pos[layer * H:(layer + 1) * H], device=self.device),
                 kc[s // bs, s % bs, h], vc[s // bs, s % bs, h])
 
+    def gather_kv_vectors(self, req_ids: Sequence[ReqId], names: Sequence[str] = ("key", "value"),
+                          layers: tuple[int, int] | None = None, width: int | None = None,
+                          slots: Sequence[np.ndarray] | None = None) -> dict[str, torch.Tensor]:
+        """Cached keys / values of requests' live tokens in :meth:`live_view` order, read through the token
+        table from the K/V views: ``name -> [B, l1 - l0, H_kv, N, D]`` float32 (``N = width`` or the longest
+        live count; padding is 0). ``names`` among ``"key"``, ``"value"``; ``layers = (l0, l1)``; ``slots``:
+        the requests' physical slots ``[R, n]`` when the caller already has them (:meth:`live_slots`).
+        Row ``(l, h)`` of a head-granularity request uses that row's own slots. One index op per layer and
+        tensor for the whole batch."""
+        l0, l1 = layers if layers is not None else (0, self.num_layers)
+        phys = list(slots) if slots is not None else [self.live_slots(r)[1] for r in req_ids]
+        if slots is not None:
+            self.fence()
+        ns = [int(p.shape[1]) for p in phys]
+        B, H = len(phys), self.num_kv_heads
+        N = width if width is not None else max(ns, default=0)
+        dev, bs = self.device, self.block_size
+        D = self._kv[0][0].shape[-1]
+        which = [i for i, n in enumerate(("key", "value")) if n in names]
+        out = {("key", "value")[i]: torch.zeros((B, l1 - l0, H, N, D), dtype=torch.float32, device=dev)
+               for i in which}
+        if not out or not sum(ns):
+            return out
+        b_idx = torch.as_tensor(np.repeat(np.arange(B), ns), device=dev)
+        j_idx = torch.as_tensor(np.concatenate([np.arange(n) for n in ns]), device=dev)
+        if self.num_rows == 1:
+            s = torch.as_tensor(np.concatenate([p[0] for p in phys]), device=dev)  # [M]
+            blk, off = s // bs, s % bs
+            for layer in range(l0, l1):
+                for i in which:
+                    src = self._kv[layer][i][blk, off]  # [M, H, D]
+                    out[("key", "value")[i]][:, layer - l0][b_idx, :, j_idx] = src.to(torch.float32)
+            return out
+        h_idx = torch.arange(H, device=dev)[:, None]
+        for layer in range(l0, l1):
+            s = torch.as_tensor(np.concatenate([p[layer * H:(layer + 1) * H] for p in phys], axis=1),
+                                device=dev)  # [H, M]
+            blk, off = s // bs, s % bs
+            for i in which:
+                src = self._kv[layer][i][blk, off, h_idx.expand_as(s)]  # [H, M, D]
+                out[("key", "value")[i]][:, layer - l0][b_idx, :, j_idx] = src.transpose(0, 1).to(torch.float32)
+        return out
+
     def live_view(self, req_id: ReqId) -> tuple[np.ndarray, np.ndarray]:
         """``(positions [R, n_live] int64 ascending per row, vslots [R, n_live] int64)``: what policies see."""
         return self.table.live_view(self.table.get(req_id))

@@ -5,7 +5,12 @@
     step(req_ids, phases)      after a forward:
       1. who      each eligible request whose budget says so: Budget.should_evict(live, seq_len, phase)
       2. batch    StatsBatch [B, L, H, N] from the cache: live positions, the policy's stored stats,
-                  pins, per-request budgets (one batch per policy)
+                  pins, per-request budgets (one batch per policy), and the vector statistics it reads
+                  (``policy.vector_reads``): keys / values gathered from the KV cache through the token
+                  table (``cache.gather_kv_vectors``), query summaries from the query window store
+                  (``queries``, :mod:`vtoken_runtime.stats.queries`). A head-granularity policy reading
+                  vectors is evaluated in layer chunks (``StatsBatch.layer_offset``) whose vectors stay
+                  under ``vector_chunk_bytes`` (env ``VTOKEN_VECTOR_CHUNK_BYTES``, default 256 MiB)
       3. select   ONE batched compiled keep_mask per policy; if it raises, each request is retried
                   alone. A request whose policy raises, or whose mask breaks the selection contract
                   (checked for mask policies, and for every policy under VTOKEN_DEBUG), or whose mask
@@ -21,6 +26,7 @@ kernels for CUDA caches, the torch reference elsewhere (``VTOKEN_BACKEND`` overr
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -30,8 +36,10 @@ import numpy as np
 import torch
 
 from vtoken_sdk import Budget, CompiledPolicy, Policy, StatsBatch, compile_policy
+from vtoken_sdk.stats import KVCACHE_STATS, QUERY_STATS
 
 from .cache import ReclaimStats, VTokenCache
+from .stats.queries import QueryWindows
 
 log = logging.getLogger("vtoken.eviction")
 ReqId = Hashable
@@ -72,7 +80,8 @@ class Collective(Protocol):
     policy error on one rank can neither deadlock nor desynchronise the others."""
 
     def gather_heads(self, t: torch.Tensor) -> torch.Tensor:
-        """``[B, L, H_local, N] -> [B, L, H_total, N]`` in rank order, identical on every rank."""
+        """``[B, L, H_local, *axes] -> [B, L, H_total, *axes]`` (along dim 2) in rank order, identical on every
+        rank (scalar statistics ``[B, L, H, N]`` and vectors such as keys ``[B, L, H, N, D]``)."""
         ...
 
     def any(self, flags: list[bool]) -> list[bool]:
@@ -88,9 +97,12 @@ class EvictionDriver:
     receive the same decisions (other block sizes); ``record_keeps``: log every request's kept positions."""
 
     def __init__(self, cache: VTokenCache, followers: Sequence[VTokenCache] = (), record_keeps: bool = False,
-                 collective: Collective | None = None) -> None:
+                 collective: Collective | None = None, queries: QueryWindows | None = None,
+                 vector_chunk_bytes: int | None = None) -> None:
         self.cache = cache
         self.collective = collective
+        self.queries = queries  # the query window store (query statistics), set by the adapter
+        self.vector_chunk_bytes = int(vector_chunk_bytes or os.environ.get("VTOKEN_VECTOR_CHUNK_BYTES", 256 << 20))
         self.followers = list(followers)
         self.record_keeps = record_keeps
         self.requests: dict[ReqId, TrackedRequest] = {}
@@ -158,41 +170,85 @@ class EvictionDriver:
 
     # ------------------------------------------------------------------ selection
     def _masks(self, rs: list[ReqId], report: StepReport) -> dict[ReqId, np.ndarray]:
-        """Keep masks ``[R, n_live]`` per request of one policy: one batched call; if it raises, each
-        request is retried alone (on the same batch: no collective runs between the two)."""
+        """Keep masks ``[R, n_live]`` per request of one policy: one batched call per layer chunk; if it
+        raises, each request is retried alone (on the same batch: no collective runs between the two)."""
         policy = self.requests[rs[0]].policy
         assert policy is not None
-        batch, ns = self.stats_batch(rs)
+        results: dict[ReqId, list[np.ndarray] | str] = {r: [] for r in rs}
+        if policy.vector_reads & set(QUERY_STATS):  # incomplete query windows fail their request only
+            for r, why in self._query_window_problems(policy, rs).items():
+                results[r] = why
+        live = [r for r in rs if not isinstance(results[r], str)]
         compiled = compile_policy(policy, device=self.cache.device)
-        results: list[np.ndarray | str]
-        try:
-            results = self._select(policy, compiled, batch, ns)
-        except Exception:
-            results = []
-            for i in range(len(rs)):
-                try:
-                    results += self._select(policy, compiled, batch.select_requests([i]), ns[i:i + 1])
-                except Exception as e:  # the policy's bug, on this request only
-                    results.append(f"{type(e).__name__}: {e}")
-        failed = [isinstance(x, str) for x in results]
+        for chunk in self._layer_chunks(policy, live) if live else ():
+            batch, ns = self.stats_batch(live, chunk)
+            rows = self.cache.num_rows if chunk is None else (chunk[1] - chunk[0]) * self.cache.num_kv_heads
+            part: list[np.ndarray | str]
+            try:
+                part = self._select(policy, compiled, batch, ns, rows)
+            except Exception:
+                part = []
+                for i in range(len(live)):
+                    try:
+                        part += self._select(policy, compiled, batch.select_requests([i]), ns[i:i + 1], rows)
+                    except Exception as e:  # the policy's bug, on this request only
+                        part.append(f"{type(e).__name__}: {e}")
+            for r, x in zip(live, part, strict=True):
+                acc = results[r]
+                if isinstance(acc, str):
+                    continue
+                if isinstance(x, str):
+                    results[r] = x
+                else:
+                    acc.append(x)
+        failed = [isinstance(results[r], str) for r in rs]
         if self.collective is not None:
             failed = self.collective.any(failed)
         out: dict[ReqId, np.ndarray] = {}
-        for r, x, f in zip(rs, results, failed, strict=True):
+        for r, f in zip(rs, failed, strict=True):
+            x = results[r]
             if not f:
-                out[r] = x  # type: ignore[assignment]
+                assert not isinstance(x, str)
+                out[r] = x[0] if len(x) == 1 else np.concatenate(x, axis=0)
             else:
                 self._fail(r, x if isinstance(x, str) else "failed on another tensor-parallel rank", report)
         return out
 
-    def _select(self, policy: Policy, compiled: CompiledPolicy, batch: StatsBatch, ns: list[int]
-                ) -> list[np.ndarray | str]:
-        """Per request: its keep mask ``[R, n]``, or why it is refused (a contract violation)."""
+    def _query_window_problems(self, policy: Policy, rs: list[ReqId]) -> dict[ReqId, str]:
+        """Requests whose query statistics cannot be summarised (no store, or an incomplete window)."""
+        q = self.queries
+        if q is None:
+            return {r: f"policy {policy.name!r} reads {sorted(policy.vector_reads & set(QUERY_STATS))}, but this "
+                       "adapter records no queries" for r in rs}
+        return q.problems(rs, [self.cache.logical_len(r) for r in rs], policy.spec.stats.obs_window)
+
+    def _layer_chunks(self, policy: Policy, rs: list[ReqId]) -> list[tuple[int, int] | None]:
+        """Layer ranges evaluated one at a time: ``[None]`` (all layers in one batch) unless a head-granularity
+        policy reads vectors whose batch would exceed ``vector_chunk_bytes``."""
+        cache = self.cache
+        vec = policy.vector_reads
+        if not vec or policy.granularity != "head" or cache.num_rows == 1 or not rs:
+            return [None]
+        B, H, L = len(rs), cache.num_kv_heads, cache.num_layers
+        N, D = max(cache.live_tokens(r) for r in rs), cache.head_size
+        G = self.queries.group_size if self.queries is not None else 1
+        per_head = {"key": N * D, "value": N * D, "query_mean": D, "query_mean_future": G * D,
+                    "query_cov_future": G * D * D}
+        per_layer = 4 * B * H * sum(per_head[n] for n in vec)
+        step = max(1, min(L, self.vector_chunk_bytes // max(1, per_layer)))
+        if step >= L:
+            return [None]
+        return [(a, min(L, a + step)) for a in range(0, L, step)]
+
+    def _select(self, policy: Policy, compiled: CompiledPolicy, batch: StatsBatch, ns: list[int],
+                rows: int | None = None) -> list[np.ndarray | str]:
+        """Per request: its keep mask ``[rows, n]`` (default: the cache's rows), or why it is refused (a
+        contract violation)."""
         mask = compiled.keep_mask(batch)  # [B, L, H, N]
         bad: list[str | None] = [None] * len(ns)
         if policy.kind == "mask" or self.cache.debug:  # score policies hold the contract by construction
             bad = compiled.contract_violations(batch, mask)
-        R = self.cache.num_rows
+        R = self.cache.num_rows if rows is None else rows
         out: list[np.ndarray | str] = []
         for b, n in enumerate(ns):
             if bad[b] is not None:
@@ -211,19 +267,33 @@ class EvictionDriver:
             out.append(m.detach().cpu().numpy().astype(bool))
         return out
 
-    def stats_batch(self, rs: Sequence[ReqId]) -> tuple[StatsBatch, list[int]]:
-        """The policy input for requests ``rs`` (one policy): ``(StatsBatch [B, L, H, N], live counts)``."""
+    def stats_batch(self, rs: Sequence[ReqId], layers: tuple[int, int] | None = None
+                    ) -> tuple[StatsBatch, list[int]]:
+        """The policy input for requests ``rs`` (one policy): ``(StatsBatch [B, L, H, N], live counts)``.
+        ``layers = (l0, l1)``: only those layers (``layer_offset = l0``; head granularity only)."""
         cache = self.cache
         policy = self.requests[rs[0]].policy
         assert policy is not None
         L, H, R = cache.num_layers, cache.num_kv_heads, cache.num_rows
+        l0, l1 = layers if layers is not None else (0, L)
+        if layers is not None and R == 1:
+            raise ValueError("layer chunks need a head-granularity cache")
+        Lc = l1 - l0
         names = sorted(policy.stored_reads)
-        views = [cache.live_view(r)[0] for r in rs]
+        kv_names = sorted(policy.vector_reads & set(KVCACHE_STATS))
+        q_names = sorted(policy.vector_reads & set(QUERY_STATS))
+        if kv_names:
+            lv = [cache.live_slots(r) for r in rs]
+            views, phys = [p for p, _ in lv], [s for _, s in lv]
+        else:
+            views, phys = [cache.live_view(r)[0] for r in rs], []
+        if R > 1:
+            views = [p[l0 * H:l1 * H] for p in views]
         ns = [int(p.shape[1]) for p in views]
         B, N = len(rs), max(ns)
         seq = [cache.logical_len(r) for r in rs]
-        pos = torch.zeros((B, L, H, N) if R > 1 else (B, 1, 1, N), dtype=torch.int64)
-        stats = {s: torch.zeros(B, L, H, N) for s in names}
+        pos = torch.zeros((B, Lc, H, N) if R > 1 else (B, 1, 1, N), dtype=torch.int64)
+        stats = {s: torch.zeros(B, Lc, H, N) for s in names}
         pinned = torch.zeros(pos.shape, dtype=torch.bool)
         for b, (r, p, n) in enumerate(zip(rs, views, ns, strict=True)):
             pos[b, ..., :n] = torch.from_numpy(p).view(pos.shape[1:-1] + (n,))
@@ -232,15 +302,24 @@ class EvictionDriver:
             if pins.size:
                 pinned[b] = torch.from_numpy(np.isin(pos[b].numpy(), pins))
             for s, t in (cache.gather_stats(r, names) if names else {}).items():
-                stats[s][b, ..., :n] = t.cpu()
-        if self.collective is not None and policy.granularity == "request" and names:
-            stats = {k: self.collective.gather_heads(v) for k, v in stats.items()}  # every head, every rank
+                stats[s][b, ..., :n] = t[l0:l1].cpu()
+        vectors: dict[str, torch.Tensor] = {}
+        if kv_names:  # [B, Lc, H, N, D] from the KV cache, in the live-view order of pos
+            vectors.update(cache.gather_kv_vectors(rs, kv_names, (l0, l1), N, slots=phys))
+        if q_names:
+            assert self.queries is not None
+            vectors.update(self.queries.summaries(rs, q_names, seq, policy.spec.stats.obs_window,
+                                                  policy.spec.stats.future_window, (l0, l1)))
+        if self.collective is not None and policy.granularity == "request":  # every head, every rank
+            stats = {k: self.collective.gather_heads(v) for k, v in stats.items()}
+            vectors = {k: self.collective.gather_heads(v) for k, v in vectors.items()}
         budget = torch.as_tensor([self.requests[r].budget.resolve(s) for r, s in zip(rs, seq, strict=True)],  # type: ignore[union-attr]
                                  dtype=torch.int64)
         dev = cache.device
         batch = StatsBatch(stats={k: v.to(dev) for k, v in stats.items()}, lengths=torch.as_tensor(ns).to(dev),
                            positions=pos.to(dev), seq_lens=torch.as_tensor(seq).to(dev), pinned=pinned.to(dev),
-                           budget=budget.to(dev))
+                           budget=budget.to(dev), layer_offset=l0, vectors={k: v.to(dev) for k, v in vectors.items()},
+                           head_dim=cache.head_size if "head_dim" in policy.reads else None)
         return batch, ns
 
     def _fail(self, r: ReqId, why: str, report: StepReport) -> None:

@@ -8,7 +8,11 @@ registered with transformers' ``AttentionInterface`` (and a no-op mask in
 
     1. writes the step's new K/V (after RoPE) into the paged cache at reserved slots,
     2. runs paged attention over the request's live tokens (causal by true position),
-    3. folds the attention probabilities into the statistics the policies declared.
+    3. folds the attention probabilities into the statistics the policies declared,
+    4. records the step's post-RoPE queries in the query window store when a policy of the session reads
+       query statistics (``query_mean``, ...: :mod:`vtoken_runtime.stats.queries`; every request of the
+       session is recorded, so a shared prefill can fork into such policies). Keys and values read by a
+       policy (``s.key``, ``s.value``) come from the paged cache itself at eviction time.
 
 After a prefill and after each decode step the eviction driver (``vtoken_runtime.eviction``, shared
 with the vLLM plugin) asks each request's policy for a keep mask when its budget says so, applies it
@@ -32,6 +36,8 @@ import torch
 from .cache import AttentionMetadata, VTokenCache
 from .eviction import EvictionDriver, TrackedRequest
 from .stats import StatsCollector, needs_probs
+from .stats.queries import FUTURE_STATS, QueryWindows, WriteIndex
+from .stats.rope import RotaryTables, rotary_tables
 
 log = logging.getLogger("vtoken.hf")
 ATTN_NAME = "vtoken_paged"
@@ -74,6 +80,7 @@ class StepContext:
     query_pos: torch.Tensor  # [B, Q] int64, -1 = padding
     prompt_lens: torch.Tensor  # [B] int64 (attn_window: the prompt's last obs_window queries)
     slots: torch.Tensor  # [T] physical slots of the valid new tokens (row-major over [B, Q])
+    query_write: WriteIndex | None = None  # where the step's queries go in the query window store
 
 
 def vtoken_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -95,6 +102,9 @@ def vtoken_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
     out, probs = s.cache.attention(layer, q, ctx.md, ctx.query_pos, return_probs=s.collect_probs, scale=scaling)
     if probs is not None:
         col.fold_probs(layer, ctx.md, probs, ctx.query_pos, ctx.prompt_lens)
+    if ctx.query_write is not None:
+        assert s.queries is not None
+        s.queries.write(layer, q.reshape(-1, q.shape[2], q.shape[3]), ctx.query_write)
     return out, None
 
 
@@ -131,6 +141,9 @@ class HFSession:
         self._claimed: dict[str, Any] = {} if stats_config is None else dict(stats_config)
         self._started = False  # a forward ran: the collector's parameters are fixed
         self.collector: StatsCollector | None = None  # built by the first forward, with the claimed parameters
+        self.queries: QueryWindows | None = None  # query window store, built by the first forward if claimed
+        self._query_window = 0  # the largest obs_window of the policies reading query statistics
+        self._rope: RotaryTables | None = None
         self.stat_names = tuple(sorted(set(stat_names).union(*(p.stored_reads for p in policies))))
         for p in policies:
             self._adopt_stats_config(p)
@@ -143,6 +156,8 @@ class HFSession:
                                         mode=mode, max_requests=max_requests, async_copy=False)
                         for bs in shadow_block_sizes}
         self.driver = EvictionDriver(self.cache, list(self.shadows.values()), record_keeps=record_keeps)
+        for p in policies:
+            self._claim_queries(p)
         self.requests: dict[Hashable, TrackedRequest] = self.driver.requests
         self.prompt_lens: dict[Hashable, int] = {}
 
@@ -165,7 +180,34 @@ class HFSession:
         if missing:
             raise ValueError(f"policy {policy.name!r} reads {sorted(missing)}, which this session does not "
                              f"collect (stat_names={list(self.stat_names)})")
+        self._claim_queries(policy)
         self._adopt_stats_config(policy)
+
+    def _claim_queries(self, policy: Any) -> None:
+        """Policies reading query statistics need the session's queries from the first forward on: the
+        store keeps the largest ``obs_window`` claimed before it (ValueError afterwards); RoPE types the
+        future statistics cannot describe are refused here (``stats.rope.UnsupportedRope``)."""
+        from vtoken_sdk.stats import QUERY_STATS
+
+        reads = set(policy.vector_reads) & set(QUERY_STATS)
+        if not reads:
+            return
+        if reads & set(FUTURE_STATS) and self._rope is None:
+            try:
+                self._rope = rotary_tables(self.model.config)
+            except ValueError as e:
+                raise ValueError(f"policy {policy.name!r} reads {sorted(reads & set(FUTURE_STATS))}: {e}") from None
+        want = int(policy.spec.stats.obs_window)
+        if self._started:
+            have = self.queries.window if self.queries is not None else 0
+            if want > have:
+                raise ValueError(f"policy {policy.name!r} reads {sorted(reads)} over obs_window={want} queries, but "
+                                 f"this session records {have} since its first forward; pass policies=[...] to "
+                                 "HFSession")
+            if self.queries is not None and self.queries.rope is None:
+                self.queries.rope = self._rope
+            return
+        self._query_window = max(self._query_window, want)
 
     def _track(self, req_id: Hashable, policy: Any | None, budget: int | None) -> None:
         self.driver.add(req_id, policy, None if policy is None or budget is None else policy.budget.override(budget))
@@ -197,6 +239,8 @@ class HFSession:
     def free(self, req_id: Hashable) -> None:
         for c in (self.cache, *self.shadows.values()):
             c.free(req_id)
+        if self.queries is not None:
+            self.queries.remove(req_id)
         self.driver.remove(req_id)
         self.prompt_lens.pop(req_id, None)
 
@@ -208,6 +252,8 @@ class HFSession:
         for c in (self.cache, *self.shadows.values()):
             if c.fork(src, dst, pins) is None:
                 raise MemoryError(f"out of KV blocks or request rows while forking {src!r} -> {dst!r}")
+        if self.queries is not None:
+            self.queries.fork(src, dst)
         self._track(dst, policy, budget)
         self.prompt_lens[dst] = self.prompt_lens.get(src, 0)
 
@@ -240,10 +286,19 @@ class HFSession:
             slots.append(self._reserve(r, lens[b]))
         md = self.cache.attention_metadata(list(req_ids))
         plen = torch.as_tensor([self.prompt_lens.get(r, 0) for r in req_ids], dtype=torch.int64)
-        ctx = StepContext(self, md, qpos >= 0, qpos, plen, torch.cat(slots))
         if not self._started:
             self.collector = StatsCollector(self.cache, self.stat_names, self.stats_config, self.group_size)
+            if self._query_window:
+                self.queries = QueryWindows(self.num_layers, self.num_kv_heads * self.group_size, self.num_kv_heads,
+                                            self.head_dim, self._query_window, self.dtype, self.cache.device,
+                                            rope=self._rope)
+                self.driver.queries = self.queries
             self._started = True
+        qwrite = None
+        if self.queries is not None:
+            tok = torch.arange(B * Q).view(B, Q).masked_fill(qpos < 0, -1)
+            qwrite = self.queries.plan(list(req_ids), tok.numpy(), qpos.numpy())
+        ctx = StepContext(self, md, qpos >= 0, qpos, plen, torch.cat(slots), qwrite)
         with _vtoken_attention(self.model):
             out = self.model(input_ids=ids, position_ids=qpos.clamp(min=0), use_cache=False, vtoken_step=ctx,
                              logits_to_keep=0)

@@ -1,9 +1,8 @@
 """One table of (policy, settings) cases that every generic test runs over.
 
-``CASES``: the shipped policies and the DSL test policies the runtime can feed today (scalar statistics;
-they exercise chunk pooling, token reductions, softmax, ``s.layer``/``s.head``). ``VECTOR_CASES``: policies
-reading vector statistics (``StatsBatch.vectors``: keys, values, query summaries), which the SDK's generic
-tests run over too (``ALL_CASES``); they join ``CASES`` once the runtime gathers vectors for the adapters.
+``CASES``: the shipped policies and the DSL test policies (they exercise chunk pooling, token reductions,
+softmax, ``s.layer``/``s.head``, and the vector statistics of ``StatsBatch.vectors``: keys, values, query
+summaries, which the runtime gathers for the HF adapter and the vLLM plugin).
 """
 
 from __future__ import annotations
@@ -29,16 +28,12 @@ CASES: list[tuple[str, dict[str, Any]]] = [
     ("observed_attention", {}),
     ("attn_zscore", {"protect": [vt.sinks(1), vt.protect_if(lambda s: s.attn_last >= vt.token_max(s.attn_last))]}),
     ("layer_weighted", {}),
-]
-
-VECTOR_CASES: list[tuple[str, dict[str, Any]]] = [
     ("keydiff", {}),
     ("keydiff", {"granularity": "request"}),
     ("query_dot", {}),
     ("expected_attention", {}),
 ]
 
-ALL_CASES = CASES + VECTOR_CASES
 
 
 def case_id(case: tuple[str, dict[str, Any]]) -> str:

@@ -96,10 +96,10 @@ def vllm_engine_args(policy: str | None = "none", mode: str = "compact", evictio
             "enable_prefix_caching": False,
             "async_scheduling": False, "additional_config": additional,
             "logits_processors": [FRONTEND_CLS, *procs]}  # validates per-request options at admission
-    from vtoken_sdk.stats import ATTENTION_STATS, KV_STATS
+    from vtoken_sdk.stats import ATTENTION_STATS, KV_STATS, QUERY_STATS
 
-    collected = set(ATTENTION_STATS) | set(KV_STATS)
-    if cuda and pol is not None and collected & set(pol.stored_reads) and "compilation_config" not in extra:
+    collected = set(ATTENTION_STATS) | set(KV_STATS) | set(QUERY_STATS)  # gpu_worker.reads_statistics
+    if cuda and pol is not None and collected & set(pol.reads) and "compilation_config" not in extra:
         args["compilation_config"] = {"cudagraph_mode": "PIECEWISE"}  # statistics run around the attention op
     args.update(extra)
     return args

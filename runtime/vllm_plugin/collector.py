@@ -10,7 +10,10 @@ run time, so wrapping the instance changes no vLLM file and keeps the unmodified
                                                               if the policy reads attention statistics,
                                                               ``StatsCollector.attention`` recomputes the
                                                               probabilities of the evicting requests'
-                                                              queries over the paged cache and folds them
+                                                              queries over the paged cache and folds them;
+                                                              only if it reads query statistics, the
+                                                              evicting requests' post-RoPE queries go to
+                                                              the query window store (one index_put)
 
 The statistics mean exactly what ``vtoken_sdk.stats.CATALOG`` says (the HF adapter uses the same
 collector, ``vtoken_runtime.stats``): prompt queries are identified by ``num_prompt_tokens``, so the
@@ -34,8 +37,9 @@ class StepContext:
     """What the attention wrapper needs for one engine step (built in ``_prepare_inputs``).
 
     ``tok_index [B, Q]`` rows of the flat query tensor (-1 = padding), ``query_pos [B, Q]`` true
-    positions (-1 = padding), ``prompt_len [B]``, for the requests whose attention statistics are
-    collected (``md`` covers exactly those, in the same order).
+    positions (-1 = padding), ``prompt_len [B]``, for the requests whose statistics are collected
+    (``md`` covers exactly those, in the same order; None when no attention statistic is read).
+    ``query_write``: where their queries go in the query window store (None: no query statistic read).
     """
 
     req_ids: list[str]
@@ -44,6 +48,7 @@ class StepContext:
     query_pos: torch.Tensor
     prompt_len: torch.Tensor
     collect_attn: bool
+    query_write: Any = None
 
 
 class VTokenAttentionImpl:
@@ -84,6 +89,8 @@ class VTokenAttentionImpl:
             q = query[idx.clamp(min=0)]  # [T, H_q, D] -> [B, Q, H_q, D]
             q = torch.where((idx >= 0)[:, :, None, None], q, torch.zeros((), dtype=q.dtype))
             col.attention(self._layer, q, step.md, step.query_pos, step.prompt_len, float(self._inner.scale))
+        if step is not None and attn_metadata is not None and step.query_write is not None:
+            self._runner._vt_queries.write(self._layer, query, step.query_write)
         return out
 
 

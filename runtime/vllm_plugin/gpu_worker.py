@@ -16,14 +16,17 @@ are the CPU worker's, line for line. What differs on the GPU:
                    wrapper or the KV-update hook, so statistics would silently stop: a policy that
                    reads statistics forces PIECEWISE capture (attention and KV updates then run
                    eagerly between the captured pieces; logged once). Statistic-free policies keep full
-                   graphs: every per-step write (slot mapping, ``seq_lens``, block-table rows) goes into
+                   graphs (also those reading keys / values: they come from the KV cache at eviction):
+                   every per-step write (slot mapping, ``seq_lens``, block-table rows) goes into
                    vLLM's persistent buffers, so captured graphs read the rewritten values.
 
 Refused at start-up, with the setting to change (:func:`check_gpu_config`): the V2 model runner,
 FlashInfer and other attention backends (FlashAttention and Triton attention are supported),
 block-outermost KV layouts, kernel block size != manager block size, per-token-head quantised KV,
-ALiBi, sliding-window or hybrid KV groups, prefix caching, async scheduling, and statistics over a
-quantised KV cache.
+ALiBi, sliding-window or hybrid KV groups, prefix caching, async scheduling, and statistics (or key / value
+vectors: ``worker.check_vector_reads``) over a quantised KV cache. Query statistics (the attention wrapper
+records the queries) count as statistics for the CUDA-graph rule; RoPE types the future query statistics
+cannot describe are refused when the query window store is built (``stats.rope``).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from typing import Any
 
 import torch
 
-from vtoken_sdk.stats import ATTENTION_STATS, KV_STATS
+from vtoken_sdk.stats import ATTENTION_STATS, KV_STATS, QUERY_STATS
 
 from .worker import VTokenRunnerMixin, install_runner
 
@@ -45,8 +48,10 @@ SUPPORTED_IMPLS = {"FlashAttentionImpl": "FLASH_ATTN", "TritonAttentionImpl": "T
 
 
 def reads_statistics(stat_names: Iterable[str]) -> bool:
-    """Whether a policy reading ``stat_names`` needs the attention wrapper / KV-update hook to run."""
-    return any(n in ATTENTION_STATS or n in KV_STATS for n in stat_names)
+    """Whether a policy reading ``stat_names`` (``policy.reads``) needs the attention wrapper / KV-update hook
+    to run: attention statistics, key / value norms, and query statistics (the wrapper records the queries).
+    Keys and values read as vectors come from the KV cache at eviction time: no hook."""
+    return any(n in ATTENTION_STATS or n in KV_STATS or n in QUERY_STATS for n in stat_names)
 
 
 def check_gpu_config(*, use_v2_model_runner: bool, impl_names: Iterable[str], alibi: bool, sliding_window: bool,
@@ -86,7 +91,7 @@ def force_piecewise_graphs(compilation_config: Any, policy: Any) -> bool:
     Returns True when the mode was changed."""
     from vllm.config import CUDAGraphMode
 
-    stats = tuple(policy.stored_reads) if policy is not None else ()
+    stats = tuple(sorted(policy.reads)) if policy is not None else ()
     mode = compilation_config.cudagraph_mode
     if mode is None or mode == CUDAGraphMode.NONE or not reads_statistics(stats):
         return False
@@ -94,9 +99,11 @@ def force_piecewise_graphs(compilation_config: Any, policy: Any) -> bool:
     if changed:
         compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
         log.warning("vtoken: policy %s reads %s, collected around the attention op; CUDA graph mode %s would "
-                    "replay decode steps without it, so PIECEWISE is used", policy.name, sorted(stats), mode.name)
-    if any(n in ATTENTION_STATS for n in stats) and not compilation_config.splitting_ops_contain_attention():
-        raise ValueError("vtoken: this policy reads attention statistics but the compilation captures the "
+                    "replay decode steps without it, so PIECEWISE is used", policy.name,
+                    sorted(n for n in stats if reads_statistics([n])), mode.name)
+    if any(n in ATTENTION_STATS or n in QUERY_STATS for n in stats) and \
+            not compilation_config.splitting_ops_contain_attention():
+        raise ValueError("vtoken: this policy reads attention or query statistics but the compilation captures the "
                          "attention op inside CUDA graphs (splitting_ops); leave splitting_ops unset or use "
                          "--enforce-eager")
     if any(n in KV_STATS for n in stats) and not compilation_config.splitting_ops_contain_kv_cache_update():

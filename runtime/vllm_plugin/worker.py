@@ -12,7 +12,10 @@ only per-device piece is ``_vt_kv_access`` (how the cache reaches the K/V tensor
                         :func:`.step_inputs.place_new_tokens` reserves every request's new tokens and
                         the slot mapping, ``seq_lens`` and ``optimistic_seq_lens_cpu`` are rewritten in
                         place by CACHE length (see that module for the picture).
-    forward             the unmodified paged kernel; the impl wrapper collects the declared statistics
+    forward             the unmodified paged kernel; the impl wrapper collects the declared statistics and,
+                        for a policy reading query statistics, records the eligible requests' post-RoPE
+                        queries in the query window store (:mod:`vtoken_runtime.stats.queries`; keys and
+                        values a policy reads come from the KV cache itself at eviction time)
     sample_tokens       after sampling: requests whose prompt is complete and whose live count exceeds
                         budget + slack are evicted (one batched keep-mask call of the compiled policy),
                         reclaimed (plan + async copy on the real KV tensors, fenced before the next
@@ -41,7 +44,10 @@ import torch
 from vtoken_runtime.block_pool import BlockPool
 from vtoken_runtime.eviction import EvictionDriver
 from vtoken_runtime.stats import StatsCollector
+from vtoken_runtime.stats.queries import FUTURE_STATS, QueryWindows
+from vtoken_runtime.stats.rope import rotary_tables
 from vtoken_runtime.token_table import cdiv
+from vtoken_sdk.stats import KVCACHE_STATS, QUERY_STATS
 
 from .collector import StepContext, VTokenAttentionImpl, build_step_index
 from .config import PluginConfig, RequestOptions, describe_policy, request_options
@@ -92,6 +98,7 @@ class VTokenRunnerMixin:
         self._vt_pool: ExternalPool | None = None
         self._vt_driver: EvictionDriver | None = None
         self._vt_collector: StatsCollector | None = None
+        self._vt_queries: QueryWindows | None = None
         self._vt_step: StepContext | None = None
         self._vt_opts: dict[str, RequestOptions] = {}
         self._vt_n_sched: dict[str, int] = {}
@@ -135,6 +142,7 @@ class VTokenRunnerMixin:
             kv = [t[0] for t in kv]
         nb, H, bs, d2 = kv[0].shape
         pol = self._vt_policy
+        check_vector_reads(pol, kv[0].dtype)
         stat_names = tuple(sorted(pol.stored_reads)) if pol is not None else ()
         sched = self.vllm_config.scheduler_config
         self._vt_pool = ExternalPool(nb, debug=self._vt_cfg.debug)
@@ -149,10 +157,11 @@ class VTokenRunnerMixin:
             **self._vt_kv_access(kv, layers[names[0]], spec))
         self._vt_cache = cache
         self._vt_rank, collective = _tp_collective(pol)
-        self._vt_driver = EvictionDriver(cache, collective=collective)
+        Hq = int(self.model_config.get_num_attention_heads(self.parallel_config))
+        self._vt_queries = _query_store(pol, self.model_config, len(names), Hq, H, d2 // 2, kv[0].device)
+        self._vt_driver = EvictionDriver(cache, collective=collective, queries=self._vt_queries)
         if stat_names:
-            G = int(self.model_config.get_num_attention_heads(self.parallel_config)) // H
-            self._vt_collector = StatsCollector(cache, stat_names, pol.spec.stats, G)
+            self._vt_collector = StatsCollector(cache, stat_names, pol.spec.stats, Hq // H)
         for i, n in enumerate(names):
             layer = layers[n]
             if not isinstance(layer.impl, VTokenAttentionImpl):
@@ -215,6 +224,8 @@ class VTokenRunnerMixin:
             use, pins, budget = None, None, None
         if cache.add_request(rid, pins) is None:
             raise RuntimeError("vtoken: token table full (max_num_seqs exceeded)")
+        if self._vt_queries is not None:
+            self._vt_queries.remove(rid)  # a recompute starts a new window
         self._vt_driver.remove(rid)
         self._vt_driver.add(rid, use, budget)
 
@@ -223,12 +234,17 @@ class VTokenRunnerMixin:
         cache = self._vt_cache
         if cache is not None:
             cache.fence()
+            q = self._vt_queries
             for rid in scheduler_output.preempted_req_ids or ():
                 if cache.has_request(rid):
                     cache.preempt(rid)  # recompute: the request comes back with num_computed_tokens = 0
+                if q is not None:
+                    q.remove(rid)
             for rid in scheduler_output.finished_req_ids:
                 if cache.has_request(rid):
                     cache.free(rid)
+                if q is not None:
+                    q.remove(rid)
                 self._vt_opts.pop(rid, None)
                 self._vt_n_sched.pop(rid, None)
                 self._vt_driver.remove(rid)
@@ -264,13 +280,19 @@ class VTokenRunnerMixin:
         self.seq_lens[:num_reqs].copy_(lens.cpu[:num_reqs], non_blocking=True)
         self.optimistic_seq_lens_cpu[:num_reqs].copy_(lens.cpu[:num_reqs])
         sel = [i for i, rid in enumerate(req_ids) if self._vt_eligible(rid)]
-        if self._vt_collector is not None and self._vt_collector.attn and sel:
-            md = cache.attention_metadata([req_ids[i] for i in sel])  # fences the deferred slot writes
+        attn = self._vt_collector is not None and bool(self._vt_collector.attn)
+        if (attn or self._vt_queries is not None) and sel:
+            sel_ids = [req_ids[i] for i in sel]
             tok, qpos = build_step_index(qsl, positions, sel)
+            qwrite = self._vt_queries.plan(sel_ids, tok.numpy(), qpos.numpy()) if self._vt_queries is not None else None
+            md = cache.attention_metadata(sel_ids) if attn else None  # fences the deferred slot writes
+            if md is None:
+                cache.fence()
             plen = torch.as_tensor([self.requests[req_ids[i]].num_prompt_tokens for i in sel], dtype=torch.int64)
             dev = cache.device
-            self._vt_step = StepContext([req_ids[i] for i in sel], md, tok.to(dev, non_blocking=True),
-                                        qpos.to(dev, non_blocking=True), plen.to(dev, non_blocking=True), True)
+            self._vt_step = StepContext(sel_ids, md, tok.to(dev, non_blocking=True),
+                                        qpos.to(dev, non_blocking=True), plen.to(dev, non_blocking=True), attn,
+                                        qwrite)
         else:
             cache.fence()
             self._vt_step = StepContext([], None, torch.zeros(0), torch.zeros(0), torch.zeros(0), False)
@@ -332,6 +354,37 @@ class VTokenRunnerMixin:
                 cache.fence()
                 cache.check_invariants()
         return report
+
+
+def check_vector_reads(policy: Any, kv_dtype: torch.dtype) -> None:
+    """Refuse, at start-up, a policy reading keys / values from a KV cache this runtime cannot read as floats
+    (a quantised cache: its values need per-tensor scales)."""
+    reads = sorted(set(policy.vector_reads) & set(KVCACHE_STATS)) if policy is not None else []
+    if reads and kv_dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"vtoken: policy {policy.name!r} reads {reads} but the KV cache holds {kv_dtype} (quantised); "
+                         "use --kv-cache-dtype auto or a policy that does not read keys / values")
+
+
+def _query_store(policy: Any, model_config: Any, num_layers: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                 device: torch.device) -> QueryWindows | None:
+    """The query window store of a policy reading query statistics (None otherwise): ``obs_window`` queries
+    per layer and request of this rank's query heads, in the model's dtype; RoPE types the future statistics
+    cannot describe are refused here (start-up)."""
+    reads = set(policy.vector_reads) & set(QUERY_STATS) if policy is not None else set()
+    if not reads:
+        return None
+    rope = None
+    if reads & set(FUTURE_STATS):
+        try:
+            rope = rotary_tables(model_config.hf_config)
+        except ValueError as e:
+            raise ValueError(f"vtoken: policy {policy.name!r} reads {sorted(reads & set(FUTURE_STATS))}: {e}") from None
+    dtype = model_config.dtype if isinstance(model_config.dtype, torch.dtype) else torch.float32
+    store = QueryWindows(num_layers, num_q_heads, num_kv_heads, head_dim, int(policy.spec.stats.obs_window), dtype,
+                         device, rope=rope)
+    log.info("vtoken: policy %s reads %s: recording %d queries per layer and request (%.2f MB per request)",
+             policy.name, sorted(reads), store.window, store.bytes_per_request / 2**20)
+    return store
 
 
 class TPCollective:

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import vtoken_sdk as vt
-from tests.cases import ALL_CASES, VECTOR_CASES, build, case_id
+from tests.cases import CASES, build, case_id
 from tests.sdk.dsl_policies import POLICIES
 from vtoken_sdk.batch import StatsBatch
 from vtoken_sdk.reference import ReferencePolicy
@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.triton, pytest.mark.filterwarnings("ignore::RuntimeWar
 ROOT = Path(__file__).resolve().parents[2]
 DSL_FILE = ROOT / "tests" / "sdk" / "dsl_policies.py"
 RUN = "import typer; from vtoken_cli.compile_cmd import compile_policies; typer.run(compile_policies)"
-NEW_CASES = [c for c in ALL_CASES if c[0] in POLICIES]  # the DSL test policies (tests/sdk/dsl_policies.py)
+NEW_CASES = [c for c in CASES if c[0] in POLICIES]  # the DSL test policies (tests/sdk/dsl_policies.py)
 _TP: dict[tuple[int, int, int], TritonPolicy] = {}
 
 
@@ -206,5 +206,5 @@ def test_aot_compile_sm90_without_spills(aot_job) -> None:
     assert {"keydiff.rowval[0]", "expected_attention.rowval[1]"} <= names
     assert report["spilling"] == [], report["spilling"]
     assert all(k["registers"] > 0 and k["arch"] == "sm_90a" for k in report["kernels"])
-    assert {c[0] for c in VECTOR_CASES} <= set(POLICIES)
+    assert {c[0] for c in CASES if build(c).vector_reads} <= set(POLICIES)
     assert len(NEW_CASES) == 8
