@@ -9,16 +9,26 @@ vtoken side, configured to kvpress's definitions (``scripts/KVPRESS_NOTES.md``):
 budget ``int(N * (1 - r))`` (kvpress truncates; vtoken's Budget rounds), eviction once
 after a single-chunk prefill, question and answer without further eviction.
 
-=============  ===============================  ================================
-kvpress        vtoken policy                    notes
-=============  ===============================  ================================
-knorm          knorm                            identical definition
-streaming_llm  streaming_llm (sinks 4)          identical
-snapkv         snapkv (window 64, avg pool 5)   kvpress averages over queries and
-                                                query heads, vtoken sums: same order
-tova           tova (head_mean of attn_last)    kvpress averages 9 query heads,
-                                                vtoken 3 KV heads of summed groups
-=============  ===============================  ================================
+==================  ========================================  =======================================
+kvpress             vtoken policy                             configuration for the check / notes
+==================  ========================================  =======================================
+knorm               knorm                                     identical definition
+streaming_llm       streaming_llm (sinks 4)                   identical
+snapkv              snapkv (window 64, avg pool 5)            kvpress averages over queries and
+                                                              query heads, vtoken sums: same order
+tova                tova (head_mean of attn_last)             kvpress averages 9 query heads,
+                                                              vtoken 3 KV heads of summed groups
+observed_attention  observed_attention (attn_sum / (age+1))   kvpress averages the query heads
+keydiff             keydiff (-cosine to mean unit key)        identical definition
+expected_attention  expected_attention (sinks 4)              ``obs_window = N - 4`` (kvpress: every
+                                                              prompt query but the 4 sinks)
+chunkkv             chunkkv (SnapKV score, chunks of 20)      budget = kvpress's whole chunks,
+                                                              ``int(n_chunks * (1 - r))``, the last
+                                                              (partial, in the window) included
+cur                 cur (kv_product, windows 16, sinks 4)     identical definition (norms squared)
+lagkv               none                                      not expressible (``LAGKV_WHY``); the
+                                                              peer runs, there is no pair
+==================  ========================================  =======================================
 """
 
 from __future__ import annotations
@@ -33,7 +43,15 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 PEER_PY = Path(os.environ.get("VTOKEN_KVPRESS_PYTHON", ROOT / ".venv-kvpress" / "bin" / "python"))
 PEER_SCRIPT = Path(__file__).resolve().parent / "kvpress_peer.py"  # ships with the package
-PRESSES = ("knorm", "streaming_llm", "snapkv", "tova")
+# (vtoken policy, kvpress press) pairs, in the order of the report
+PAIRS = (("knorm", "knorm"), ("streaming_llm", "streaming_llm"), ("snapkv", "snapkv"), ("tova", "tova"),
+         ("observed_attention", "observed_attention"), ("keydiff", "keydiff"),
+         ("expected_attention", "expected_attention"), ("chunkkv", "chunkkv"), ("cur", "cur"))
+PRESSES = tuple(press for _, press in PAIRS)
+CHUNK_LENGTH, SNAP_WINDOW, EA_SINKS = 20, 64, 4  # kvpress defaults (ChunkKVPress, SnapKVPress, ExpectedAttention)
+LAGKV_WHY = ("LagKVPress ranks each token within its 128-token partition (argsort of a softmax over the "
+             "partition) by min/max statistics of the *next* partition, partitions aligned after the 4 sinks: "
+             "the IR has no rank op, no reference to another chunk and no chunk offset")
 
 
 def run_peer(press: str, ratio: float, context: list[int], question: list[int], max_new: int,
@@ -53,16 +71,37 @@ def run_peer(press: str, ratio: float, context: list[int], question: list[int], 
         return json.loads(out.read_text())
 
 
-def run_vtoken(model: Any, press: str, ratio: float, context: list[int], question: list[int],
-               max_new: int) -> dict[str, Any]:
+def kvpress_budget(press: str, n: int, ratio: float) -> int:
+    """Tokens kvpress keeps per (layer, KV head) of an ``n``-token context: ``max(1, int(n * (1 - r)))``
+    (ScorerPress), or ChunkKVPress's whole chunks: ``max(1, int(n_chunks * (1 - r)))`` chunks of
+    ``CHUNK_LENGTH``, the last (partial) chunk among them - it lies in SnapKV's window, whose scores are
+    above every other, so it is always kept (when ``n % CHUNK_LENGTH <= SNAP_WINDOW``)."""
+    if press != "chunkkv":
+        return max(1, int(n * (1.0 - ratio)))
+    full, rem = divmod(n, CHUNK_LENGTH)
+    kept = max(1, int((full + (rem > 0)) * (1.0 - ratio)))
+    return (kept - 1) * CHUNK_LENGTH + rem if rem else kept * CHUNK_LENGTH
+
+
+def vtoken_policy(policy_name: str, press: str, n: int) -> Any:
+    """The shipped policy configured to kvpress's definition for an ``n``-token prefill."""
     import vtoken_policies
+
+    policy = vtoken_policies.load(policy_name)
+    if press == "expected_attention":  # kvpress: statistics of every prompt query but the n_sink first
+        policy = policy.configure(stats=policy.spec.stats.model_copy(update={"obs_window": max(1, n - EA_SINKS)}))
+    return policy
+
+
+def run_vtoken(model: Any, press: str, ratio: float, context: list[int], question: list[int],
+               max_new: int, policy_name: str | None = None) -> dict[str, Any]:
     from vtoken_runtime.hf_adapter import HFSession
 
-    policy = vtoken_policies.load(press)
     n = len(context)
-    budget = max(1, int(n * (1.0 - ratio)))
+    policy = vtoken_policy(policy_name or press, press, n)
+    budget = kvpress_budget(press, n, ratio)
     s = HFSession(model, block_size=16, num_blocks=-(-(n + len(question) + max_new) // 16) + 4, granularity="head",
-                  stat_names=tuple(policy.stored_reads), max_requests=2, chunk_size=max(n, 1))
+                  stat_names=tuple(policy.stored_reads), max_requests=2, chunk_size=max(n, 1), policies=[policy])
     s.add("r", policy, budget=budget)
     logits = s.prefill(["r"], [context])  # one chunk, then one eviction (phase "prefill")
     kept_pos, _ = s.cache.live_view("r")  # [L * H, n_kept] ascending
@@ -81,18 +120,23 @@ def run_vtoken(model: Any, press: str, ratio: float, context: list[int], questio
 
 
 def compare(press: str, ratio: float, context: list[int], question: list[int], max_new: int, model: Any,
-            model_dir: Path) -> dict[str, Any]:
+            model_dir: Path, policy: str | None = None) -> dict[str, Any]:
+    policy = policy or dict((pr, po) for po, pr in PAIRS).get(press, press)
     peer = run_peer(press, ratio, context, question, max_new, model_dir)
-    ours = run_vtoken(model, press, ratio, context, question, max_new)
+    ours = run_vtoken(model, press, ratio, context, question, max_new, policy)
     rows_total = rows_equal = diff_tokens = 0
     for lk, lo in zip(peer["kept_indices"], ours["kept_indices"], strict=True):
         for hk, ho in zip(lk, lo, strict=True):
             rows_total += 1
             rows_equal += hk == ho
-            diff_tokens += len(set(hk) ^ set(ho)) // 2
-    return {"press": press, "ratio": ratio, "context": len(context), "n_kept_peer": peer["n_kept"][0]
-            if isinstance(peer["n_kept"], list) else peer["n_kept"], "n_kept_vtoken": ours["n_kept"],
-            "rows": rows_total, "rows_identical": rows_equal, "tokens_differing": diff_tokens,
-            "greedy_equal": peer["generated_ids"] == ours["generated_ids"],
+            diff_tokens += (len(set(hk) ^ set(ho)) + 1) // 2
+    n_peer = peer["n_kept"]
+    return {"policy": policy, "press": press, "ratio": ratio, "context": len(context),
+            "n_kept_peer": max(n_peer) if isinstance(n_peer, list) else n_peer,
+            "n_kept_peer_min": min(n_peer) if isinstance(n_peer, list) else n_peer, "n_kept_vtoken": ours["n_kept"],
+            "rows": rows_total, "rows_total": rows_total, "rows_identical": rows_equal,
+            "tokens_differing": diff_tokens, "greedy_equal": peer["generated_ids"] == ours["generated_ids"],
+            "greedy_identical": peer["generated_ids"] == ours["generated_ids"],
             "peer_text": peer.get("generated_text"), "vtoken_ids": ours["generated_ids"],
-            "peer_ids": peer["generated_ids"]}
+            "peer_ids": peer["generated_ids"], "peer_topk_agrees": peer.get("topk_agrees"),
+            "failures": ours["failures"]}

@@ -5,8 +5,12 @@ Runs in its own venv (kvpress 0.5.x needs transformers<5.3; the main venv has
 imports neither vtoken nor anything outside that venv.
 
     .venv-kvpress/bin/python benchmarks/kvpress_peer.py --model-dir DIR --out OUT.json \
-        --press knorm|streaming_llm|snapkv|tova|none --compression-ratio 0.5 \
-        --prompt-ids FILE.json --max-new-tokens 16
+        --press knorm|streaming_llm|snapkv|tova|observed_attention|keydiff|expected_attention|chunkkv|lagkv|cur|none \
+        --compression-ratio 0.5 --prompt-ids FILE.json --max-new-tokens 16
+
+``--attn`` defaults to ``eager`` (ObservedAttentionPress needs the attention weights), except for
+``chunkkv`` (``ChunkKVPress(press=SnapKVPress())``, chunk 20), which asserts that no weights are passed
+and so runs with ``sdpa`` (SnapKV then recomputes the window's attention, same math).
 
 ``--prompt-ids`` holds either ``{"context_ids": [...], "question_ids": [...]}``
 (kvpress pipeline style: the context is compressed at prefill, then the
@@ -49,14 +53,25 @@ PRESSES = {
     "streaming_llm": "StreamingLLMPress",
     "snapkv": "SnapKVPress",
     "tova": "TOVAPress",
+    "observed_attention": "ObservedAttentionPress",
+    "keydiff": "KeyDiffPress",
+    "expected_attention": "ExpectedAttentionPress",
+    "chunkkv": "ChunkKVPress",  # wraps SnapKVPress
+    "lagkv": "LagKVPress",
+    "cur": "CURPress",
 }
+DEFAULT_ATTN = {"chunkkv": "sdpa"}  # ChunkKVPress asserts attentions is None
 
 
-def make_press(name: str, ratio: float, window_size: int | None, kernel_size: int | None, n_sink: int | None):
+def make_press(name: str, ratio: float, window_size: int | None, kernel_size: int | None, n_sink: int | None,
+               chunk_length: int | None = None, lag_size: int | None = None):
     import kvpress
 
     if name == "none":
         return None
+    if name == "chunkkv":
+        inner = make_press("snapkv", ratio, window_size, kernel_size, None)
+        return kvpress.ChunkKVPress(press=inner, **({} if chunk_length is None else {"chunk_length": chunk_length}))
     cls = getattr(kvpress, PRESSES[name])
     kwargs = {"compression_ratio": ratio}
     if name == "snapkv":
@@ -64,9 +79,22 @@ def make_press(name: str, ratio: float, window_size: int | None, kernel_size: in
             kwargs["window_size"] = window_size
         if kernel_size is not None:
             kwargs["kernel_size"] = kernel_size
-    if name == "streaming_llm" and n_sink is not None:
+    if name in ("streaming_llm", "expected_attention", "lagkv") and n_sink is not None:
         kwargs["n_sink"] = n_sink
+    if name == "lagkv" and lag_size is not None:
+        kwargs["lag_size"] = lag_size
     return cls(**kwargs)
+
+
+def press_params(press) -> dict:
+    """The press's scalar fields (and its inner press's, prefixed ``press.``, for ChunkKVPress)."""
+    out = {}
+    for k, v in dataclasses.asdict(press).items():
+        if isinstance(v, (int, float, str, bool)):
+            out[k] = v
+        elif isinstance(v, dict):
+            out.update({f"{k}.{kk}": vv for kk, vv in v.items() if isinstance(vv, (int, float, str, bool))})
+    return out
 
 
 def _match_rows(full: torch.Tensor, kept: torch.Tensor) -> list[int]:
@@ -87,12 +115,17 @@ class Recorder:
     """Wraps ``press.compress`` (and ``press.score``) on the instance to capture per-layer data."""
 
     def __init__(self, press, dump_scores: bool):
+        from kvpress.presses.scorer_press import ScorerPress
+
         self.press = press
         self.dump_scores = dump_scores
         self.layers: dict[int, dict] = {}
         self._pending_scores = None
         orig_compress = press.compress
-        orig_score = getattr(press, "score", None)
+        # a ScorerPress's own score (topk recomputed and checked); a wrapper's inner score is only dumped
+        self.scorer = isinstance(press, ScorerPress)
+        scored = press if self.scorer else getattr(press, "press", None)
+        orig_score = getattr(scored, "score", None) if isinstance(scored, ScorerPress) else None
 
         def score(module, hidden_states, keys, values, attentions, kwargs):
             s = orig_score(module, hidden_states, keys, values, attentions, kwargs)
@@ -111,7 +144,7 @@ class Recorder:
             return k_out, v_out
 
         if orig_score is not None:
-            object.__setattr__(press, "score", score)
+            object.__setattr__(scored, "score", score)
         object.__setattr__(press, "compress", compress)
 
     def kept_indices(self) -> tuple[list, list, bool | None]:
@@ -125,7 +158,7 @@ class Recorder:
             per_head = [_match_rows(full[h], kept[h]) for h in range(full.shape[0])]
             order.append(per_head)
             sorted_idx.append([sorted(x) for x in per_head])
-            if rec["scores"] is not None:
+            if rec["scores"] is not None and self.scorer:
                 n_kept = compute_n_kept(full.shape[1], self.press.compression_ratio)
                 topk = rec["scores"][0].topk(n_kept, dim=-1).indices.tolist()
                 ok = topk == per_head
@@ -168,14 +201,19 @@ def main(argv=None) -> int:
     ap.add_argument("--compression-ratio", type=float, default=0.5)
     ap.add_argument("--prompt-ids", required=True, type=Path)
     ap.add_argument("--max-new-tokens", type=int, default=16)
-    ap.add_argument("--attn", default="eager", help="attn_implementation (eager|sdpa); default eager")
+    ap.add_argument("--attn", default=None, help="attn_implementation (eager|sdpa); default eager (sdpa for chunkkv)")
     ap.add_argument("--window-size", type=int, default=None, help="SnapKV window (kvpress default 64)")
     ap.add_argument("--kernel-size", type=int, default=None, help="SnapKV pooling kernel (kvpress default 5)")
-    ap.add_argument("--n-sink", type=int, default=None, help="StreamingLLM sinks (kvpress default 4)")
+    ap.add_argument("--n-sink", type=int, default=None,
+                    help="StreamingLLM / ExpectedAttention / LagKV sinks (kvpress default 4)")
+    ap.add_argument("--chunk-length", type=int, default=None, help="ChunkKV chunk (kvpress default 20)")
+    ap.add_argument("--lag-size", type=int, default=None, help="LagKV partition (kvpress default 128)")
     ap.add_argument("--dump-scores", action="store_true", help="also dump the press scores per layer/head")
     ap.add_argument("--no-stop-at-eos", action="store_true")
     ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "1")))
     args = ap.parse_args(argv)
+    if args.attn is None:
+        args.attn = DEFAULT_ATTN.get(args.press, "eager")
     torch.set_num_threads(max(1, args.threads))
 
     from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
@@ -194,7 +232,8 @@ def main(argv=None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(str(args.model_dir))
     t_load = time.perf_counter() - t0
 
-    press = make_press(args.press, args.compression_ratio, args.window_size, args.kernel_size, args.n_sink)
+    press = make_press(args.press, args.compression_ratio, args.window_size, args.kernel_size, args.n_sink,
+                       args.chunk_length, args.lag_size)
     recorder = Recorder(press, args.dump_scores) if press is not None else None
     eos = model.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos])
@@ -231,11 +270,7 @@ def main(argv=None) -> int:
         "attn_implementation": args.attn,
         "press": args.press,
         "press_class": type(press).__name__ if press is not None else None,
-        "press_params": (
-            {k: v for k, v in dataclasses.asdict(press).items() if isinstance(v, (int, float, str, bool))}
-            if press is not None
-            else {}
-        ),
+        "press_params": press_params(press) if press is not None else {},
         "compression_ratio": args.compression_ratio if press is not None else 0.0,
         "context_length": len(context_ids),
         "question_length": len(question_ids),

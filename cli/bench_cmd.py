@@ -129,25 +129,43 @@ def kvpress(
     ratio: Annotated[float, typer.Option(min=0.0, max=0.95, help="kvpress compression ratio")] = 0.5,
     length: Annotated[int, typer.Option(min=128, help="passkey prompt length (tokens)")] = 400,
     new_tokens: Annotated[int, typer.Option(min=1, help="greedy tokens compared")] = 12,
+    presses: Annotated[str | None, typer.Option(help="comma-separated kvpress presses (default: every pair)")] = None,
     as_json: Annotated[Path | None, typer.Option("--json", help="write the report here")] = None,
 ) -> None:
-    """Kept tokens per (layer, KV head) and greedy text: vtoken vs kvpress (needs `make kvpress`)."""
+    """Kept tokens per (layer, KV head) and greedy text: vtoken vs kvpress (needs `make kvpress`).
+
+    The JSON report is ``{"pairs": [{"policy", "press", "rows_identical", "rows_total", "greedy_identical",
+    ...}], "unpaired": [{"press", "why"}], ...}``."""
     from vtoken_bench.essays import build_passkey
-    from vtoken_bench.kvpress_check import PRESSES, compare
+    from vtoken_bench.kvpress_check import LAGKV_WHY, PAIRS, compare
     from vtoken_bench.models import load_smollm2, smollm2_path
 
+    pairs = PAIRS
+    if presses is not None:
+        want = [x.strip() for x in presses.split(",") if x.strip()]
+        known = {pr for _, pr in PAIRS}
+        bad = [x for x in want if x not in known]
+        if bad:
+            err.print(f"bad option value: --presses {','.join(bad)}; known: {', '.join(sorted(known))}")
+            raise typer.Exit(2)
+        pairs = tuple(pp for pp in PAIRS if pp[1] in want)
+    t0 = time.perf_counter()
     model, tok = load_smollm2()
     p = build_passkey(tok, length, 0.5, 48213)
-    rows = [compare(press, ratio, p.context_ids, p.question_ids, new_tokens, model, smollm2_path())
-            for press in PRESSES]
+    rows = [compare(press, ratio, p.context_ids, p.question_ids, new_tokens, model, smollm2_path(), policy)
+            for policy, press in pairs]
     table = Table(title=f"vtoken vs kvpress on SmolLM2, compression {ratio}, {len(p.context_ids)}-token context")
-    for c in ("press", "kept", "(layer, head) rows identical", "tokens differing", "greedy equal", "kvpress text"):
+    for c in ("policy", "press", "kept", "(layer, head) rows identical", "tokens differing", "greedy equal",
+              "kvpress text"):
         table.add_column(c)
     for r in rows:
-        table.add_row(r["press"], str(r["n_kept_vtoken"]), f"{r['rows_identical']}/{r['rows']}",
+        table.add_row(r["policy"], r["press"], str(r["n_kept_vtoken"]), f"{r['rows_identical']}/{r['rows']}",
                       str(r["tokens_differing"]), str(r["greedy_equal"]), repr(r["peer_text"]))
     out.print(table)
+    out.print(f"lagkv: no vtoken policy ({LAGKV_WHY})")
     if as_json:
         as_json.parent.mkdir(parents=True, exist_ok=True)
-        as_json.write_text(json.dumps(rows, indent=2))
+        as_json.write_text(json.dumps({"ratio": ratio, "context": len(p.context_ids), "new_tokens": new_tokens,
+                                       "seconds": round(time.perf_counter() - t0, 1), "pairs": rows,
+                                       "unpaired": [{"press": "lagkv", "why": LAGKV_WHY}]}, indent=2))
     raise typer.Exit(0 if all(r["greedy_equal"] for r in rows) else 1)

@@ -12,7 +12,9 @@ from typing import Any
 
 _HERE = Path(__file__).resolve().parent
 MODULES = {"h2o": "h2o", "scissorhands": "scissorhands", "random": "random_evict",
-           "streaming_llm": "streaming_llm", "snapkv": "snapkv", "tova": "tova", "knorm": "knorm"}
+           "streaming_llm": "streaming_llm", "snapkv": "snapkv", "tova": "tova", "knorm": "knorm",
+           "observed_attention": "observed_attention", "keydiff": "keydiff",
+           "expected_attention": "expected_attention", "chunkkv": "chunkkv", "cur": "cur"}
 
 
 def names() -> list[str]:

@@ -57,7 +57,8 @@ def test_shipped_policies_validate_and_every_check_is_shown() -> None:
     for r in report["results"]:
         by_policy.setdefault(r["policy"], set()).add(r["check"])
         assert r["ok"], r
-    assert set(by_policy) == {"h2o", "scissorhands", "random", "streaming_llm", "snapkv", "tova", "knorm"}
+    assert set(by_policy) == {"h2o", "scissorhands", "random", "streaming_llm", "snapkv", "tova", "knorm", "observed_attention", "keydiff",
+        "expected_attention", "chunkkv", "cur"}
     for checks in by_policy.values():
         assert checks == set(report["checks"])
 
@@ -193,7 +194,8 @@ def test_list_shows_shipped_policies() -> None:
     res = runner.invoke(app, ["list", "--json"])
     assert res.exit_code == 0
     names = {p["name"] for p in json.loads(res.stdout)}
-    assert names == {"h2o", "scissorhands", "random", "streaming_llm", "snapkv", "tova", "knorm"}
+    assert names == {"h2o", "scissorhands", "random", "streaming_llm", "snapkv", "tova", "knorm", "observed_attention", "keydiff",
+        "expected_attention", "chunkkv", "cur"}
     res = runner.invoke(app, ["list"])
     assert "h2o" in res.stdout and "attn_sum" in res.stdout
 

@@ -36,3 +36,24 @@ def test_contract_properties_500_examples(case) -> None:
 def test_all_checks_pass(case) -> None:
     report = check_policy(build(case), examples=100)
     assert report.ok, report.summary()
+
+
+@pytest.mark.parametrize("name", vtoken_policies.names())
+def test_every_shipped_policy_file_passes_all_checks(name: str) -> None:
+    """The shipped object itself (CASES may run a same-named DSL test policy instead)."""
+    report = check_policy(vtoken_policies.load(name), examples=60)
+    assert report.ok, report.summary()
+
+
+def test_every_shipped_file_is_registered() -> None:
+    files = {p.stem for p in (ROOT / "policies").glob("*.py") if p.stem != "__init__"}
+    assert files == {vtoken_policies.path(n).stem for n in vtoken_policies.names()}
+
+
+def test_press_table_names_every_kvpress_pair() -> None:
+    """docs/writing-a-policy.md's press table lists the file of every policy cross-checked with kvpress."""
+    from vtoken_bench.kvpress_check import PAIRS
+
+    table = (ROOT / "docs" / "writing-a-policy.md").read_text().split("## kvpress presses and their vtoken policies")[1]
+    for policy, _ in PAIRS:
+        assert f"`policies/{vtoken_policies.path(policy).name}`" in table, policy

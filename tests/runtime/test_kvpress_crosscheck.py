@@ -1,10 +1,13 @@
-"""vtoken vs NVIDIA kvpress (the peer, in .venv-kvpress) on SmolLM2: same kept tokens, same greedy text."""
+"""vtoken vs NVIDIA kvpress (the peer, in .venv-kvpress) on SmolLM2: same kept tokens, same greedy text.
+
+One test per (vtoken policy, kvpress press) pair of ``vtoken_bench.kvpress_check.PAIRS``; LagKVPress has no
+vtoken policy (``LAGKV_WHY``), so only its peer run is checked."""
 
 from __future__ import annotations
 
 import pytest
 
-from vtoken_bench.kvpress_check import PEER_PY, PRESSES, compare
+from vtoken_bench.kvpress_check import CHUNK_LENGTH, PAIRS, PEER_PY, compare, kvpress_budget, run_peer
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not PEER_PY.exists(), reason="run `make kvpress`")]
 
@@ -18,11 +21,12 @@ def setup():
     return model, tok, build_passkey(tok, 400, 0.5, 48213), smollm2_path()
 
 
-@pytest.mark.parametrize("press", PRESSES)
-def test_same_kept_tokens_and_greedy_continuation(setup, press: str) -> None:
+@pytest.mark.parametrize(("policy", "press"), PAIRS, ids=[pr for _, pr in PAIRS])
+def test_same_kept_tokens_and_greedy_continuation(setup, policy: str, press: str) -> None:
     model, _, p, model_dir = setup
-    r = compare(press, 0.5, p.context_ids, p.question_ids, 12, model, model_dir)
-    assert r["n_kept_peer"] == r["n_kept_vtoken"]
+    r = compare(press, 0.5, p.context_ids, p.question_ids, 12, model, model_dir, policy)
+    assert r["n_kept_peer"] == r["n_kept_peer_min"] == r["n_kept_vtoken"], r
+    assert not r["failures"], r
     if press == "knorm":
         # key norms are computed from each side's own forward (eager HF vs paged attention): fp32
         # rounding may flip a near-tie; everything else must agree
@@ -31,3 +35,16 @@ def test_same_kept_tokens_and_greedy_continuation(setup, press: str) -> None:
     else:
         assert r["rows_identical"] == r["rows"], r
     assert r["greedy_equal"], r
+
+
+def test_chunkkv_budget_is_whole_chunks() -> None:
+    # 387 tokens: 19 chunks of 20 + 7; int(20 * 0.5) = 10 chunks, the partial one among them
+    assert kvpress_budget("chunkkv", 387, 0.5) == 9 * CHUNK_LENGTH + 7
+    assert kvpress_budget("chunkkv", 400, 0.5) == 10 * CHUNK_LENGTH
+    assert kvpress_budget("knorm", 387, 0.5) == 193
+
+
+def test_lagkv_peer_runs(setup) -> None:
+    _, _, p, model_dir = setup
+    r = run_peer("lagkv", 0.5, p.context_ids, p.question_ids, 4, model_dir)
+    assert r["n_kept"][0] == 193 and r["topk_agrees"]
