@@ -7,12 +7,17 @@ collector builds ``[B, H_kv, G*Q, L]`` probabilities (and gathered ``[B, H_kv, L
 this kernel keeps ``O(LANES)`` state per (query, head) row and makes two passes over the keys.
 
 For every (request ``b``, KV head ``h``), over key tiles of ``BN`` virtual slots (``block_n``; default
-128 for ``D <= 64``, else 64), gathered through the block table into transposed fp32 tiles ``[D, BN]``
-(8 x 8 blocks: vector loads + an in-register transpose; bf16 bits widened to fp32 in the kernel):
+128 for ``D <= 64``, else 64), gathered through the block table into transposed fp32 tiles ``[D, BN]`` (bf16 bits widened to fp32 in
+the kernel; a pure copy of the bits, whatever the cache layout): a unit stride along D takes 8 x 8 blocks
+(vector loads + an in-register transpose); a unit stride along the block slot (vLLM's CPU layout: K
+dim-major per (block, head)) copies, per run of the tile's consecutive keys inside one block, one
+contiguous slice per ``d``; any other layout is read element by element:
 
 1. pass 1: for every needed (query, query head) row, the online max and sum of exponentials of
-   ``scale * q . k`` over the visible keys (``LANES`` running (max, sum) lanes per row, merged at the
-   end) and the visible-key count ``n_vis`` of the query;
+   ``s = scale * q . k`` over the visible keys (``LANES`` running (max, sum) lanes per row, merged at the
+   end) and the visible-key count ``n_vis`` of the query. Per row and tile each lane first takes the max
+   of the tile's scores that fall on it, updates its running max once (``l *= exp(m_old - m_new)``), then
+   adds ``exp(s - m_new)`` per key in key order: one exponential per (row, key);
 2. pass 2: ``P = sum_g exp(s - m_g) / l_g`` per (query, key), reduced over queries into the four
    statistics and folded into the per-slot stores (add / overwrite / decay-and-add) at the tile's
    physical slots (every virtual slot ``j < cache_len``: dead slots get the same 0 contributions, the
@@ -20,15 +25,18 @@ For every (request ``b``, KV head ``h``), over key tiles of ``BN`` virtual slots
 
 The cache is read once per (request, KV head): the transposed tiles stay in a scratch buffer
 (``SCRATCH_BYTES``, 32 MiB: ~64K tokens at D = 128) between the passes; a longer request re-gathers its
-earlier tiles in pass 2. Per row only ``O(LANES)`` state is kept: no ``[Q, L]`` score or probability
-matrix exists. Tiles whose smallest key position is past a query's position are skipped for it (the
+earlier tiles in pass 2. Pass 1's scaled scores ``s`` of a request's needed rows are kept for pass 2
+(which then does no dot products) when they fit in ``SCORE_BYTES`` (16 MiB: e.g. 256 queries x 3 query
+heads x 5K keys) and the request's tiles fit in one scratch chunk; otherwise pass 2 recomputes them (the
+same bits either way). Beyond that, per row only ``O(LANES)`` state is kept: no probability matrix
+exists. Tiles whose smallest key position is past a query's position are skipped for it (the
 causal half of a prefill chunk).
 
 Only the queries a statistic reads are processed (the per-request list is built first):
 ``attn_last`` reads the request's last valid query, ``attn_window`` the valid queries at positions
 ``[prompt_len - obs_window, prompt_len)``; ``attn_sum`` and ``low_attn_count`` read every valid query
 (the count's exponential window covers all of them, and ``n_vis(q)`` is per query). H2O
-(``attn_sum``) at prefill therefore costs two passes of ``Q x L`` dot products; TOVA (``attn_last``)
+(``attn_sum``) at prefill therefore costs one pass of ``Q x L`` dot products (two past the score cache); TOVA (``attn_last``)
 and SnapKV (``attn_window``) at prefill cost only their few queries.
 
 Numerics: fp32 everywhere, IEEE operations (``fastmath=False``: no reassociation, no FMA contraction).
@@ -94,6 +102,9 @@ _MAX_TILE = 256
 # key tiles (transposed fp32 keys) kept between pass 1 and pass 2 of one (request, KV head); a longer
 # request re-gathers its earlier tiles in pass 2 (the last chunk of pass 1 is reused)
 SCRATCH_BYTES = 32 << 20
+# pass 1's scaled scores of a request's needed rows, kept for pass 2 when they fit (and the request's key
+# tiles fit in one scratch chunk); else pass 2 recomputes them (same bits)
+SCORE_BYTES = 16 << 20
 LANES = 32  # pass 1 keeps this many (running max, sum of exp) lanes per row (a tile's keys fold onto them)
 
 
@@ -139,16 +150,32 @@ def _py_gather(kraw, shift, k_snb, k_sbs, k_sh, k_sd, bt, b, h, j0, nt, bs, kpos
     for jj in range(nt, BN):
         kp[jj] = -1
         slots[jj] = 0
+    sh = np.uint32(shift)
+    BNe = _width(nt, BN)  # noqa: F821
+    if k_sbs == 1 and k_sd != 1:
+        # dim-major blocks (vLLM's CPU layout): the tile's keys inside one block are contiguous along the
+        # slot for every d -> per run of consecutive keys in one block, D contiguous row copies
+        jj0 = 0
+        while jj0 < nt:
+            run = min(bs - (j0 + jj0) % bs, nt - jj0)
+            base = rowb[jj0]
+            for d in range(D):
+                src = kraw[base + d * k_sd:base + d * k_sd + run]
+                dst = ktu[d * BN + jj0:d * BN + jj0 + run]
+                for u in range(run):
+                    dst[u] = np.uint32(src[u]) << sh
+            jj0 += run
+        n_done = nt
+    else:
+        n_done = 0
     n8 = nt - nt % 8 if k_sd == 1 else 0  # vector path: unit stride along D (else the scalar loop below)
     D8 = D - D % 8
     for jb in range(0, n8, 8):  # 8 x 8 blocks: vector loads + in-register transpose
         for d0 in range(0, D8, 8):
             _tr8(kraw, rowb, jb, d0, ktu, BN)  # noqa: F821
-    sh = np.uint32(shift)
-    BNe = _width(nt, BN)  # noqa: F821
     for d in range(D):
         row = ktu[d * BN:(d + 1) * BN]
-        for jj in range(n8 if d < D8 else 0, nt):
+        for jj in range(max(n_done, n8 if d < D8 else 0), nt):
             row[jj] = np.uint32(kraw[rowb[jj] + d * k_sd]) << sh
         for jj in range(nt, BNe):
             row[jj] = np.uint32(0)
@@ -197,12 +224,16 @@ def _py_visible(kp, qp, vis, BNe):  # type: ignore[no-untyped-def]  # pragma: no
     return cnt
 
 
-def _py_pass1(qb, n_need, qp_n, G, D, kt, kp, kmin, nt, vis, acc, ml, ll, nvis, scale, BN,
+def _py_pass1(qb, n_need, qp_n, G, D, kt, kp, kmin, nt, vis, acc, sc, sc_off, cached, tm, ml, ll, nvis, scale, BN,
               W):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
     """One key tile of pass 1. Each row keeps ``W`` lanes (key ``jj`` of a tile goes to lane ``jj % W``):
     the running max ``ml`` of the visible scores seen so far and the sum ``ll`` of their ``exp(s - ml)``;
-    ``nvis[i]`` += visible keys of query ``i``."""
+    ``nvis[i]`` += visible keys of query ``i``. Per row and tile: the scaled, masked scores
+    (``scale * q . k``, ``_NEG`` where not visible) and their lane max ``tm``, then each lane's max and
+    sum are updated once (``l *= exp(m_old - m_new)``) and the tile's ``exp(s - m_new)`` added in key order.
+    ``cached``: the scores of query ``i`` stay in ``sc[sc_off + i*G*BN ...]`` for pass 2 (else in ``acc``)."""
     BNe = _width(nt, BN)  # noqa: F821
+    GB = G * BN
     for i in range(n_need):
         qp = qp_n[i]
         if qp < kmin:
@@ -211,32 +242,45 @@ def _py_pass1(qb, n_need, qp_n, G, D, kt, kp, kmin, nt, vis, acc, ml, ll, nvis, 
         if cnt == 0:
             continue
         nvis[i] += cnt
-        _scores(qb, i * G, G, D, kt, acc, BN, BNe)  # noqa: F821
+        buf = sc[sc_off + i * GB:sc_off + (i + 1) * GB] if cached else acc[0:GB]
+        _scores(qb, i * G, G, D, kt, buf, BN, BNe)  # noqa: F821
         for g in range(G):
             r = i * G + g
+            mr = ml[r * W:r * W + W]
+            lr = ll[r * W:r * W + W]
+            for u in range(W):
+                tm[u] = _NEG
             for c in range(0, BNe, W):
                 w = min(W, BNe - c)
-                mr = ml[r * W:r * W + w]
-                lr = ll[r * W:r * W + w]
-                a = acc[g * BN + c:g * BN + c + w]
+                a = buf[g * BN + c:g * BN + c + w]
                 vc = vis[c:c + w]
                 for u in range(w):
-                    v = vc[u]
                     s = a[u] * scale
-                    s = s if v else _NEG
-                    mo = mr[u]
-                    mn = s if s > mo else mo
-                    e = _fexp(s - mn)  # noqa: F821
-                    lr[u] = lr[u] * _fexp(mo - mn) + (e if v else _F0)  # noqa: F821
-                    mr[u] = mn
+                    s = s if vc[u] else _NEG
+                    a[u] = s
+                    tm[u] = s if s > tm[u] else tm[u]
+            for u in range(W):
+                mo = mr[u]
+                mn = tm[u] if tm[u] > mo else mo
+                lr[u] = lr[u] * _fexp(mo - mn)  # noqa: F821
+                mr[u] = mn
+            for c in range(0, BNe, W):
+                w = min(W, BNe - c)
+                a = buf[g * BN + c:g * BN + c + w]
+                vc = vis[c:c + w]
+                for u in range(w):
+                    e = _fexp(a[u] - mr[u])  # noqa: F821
+                    lr[u] += e if vc[u] else _F0
 
 
-def _py_pass2(qb, n_need, qp_n, fl_n, w_n, thr_n, nvis, m, invl, G, D, kt, kp, kmin, nt, vis, acc, P,
-              a_sum, a_last, a_win, a_low, do_sum, do_last, do_win, do_low, scale,
+def _py_pass2(qb, n_need, qp_n, fl_n, w_n, thr_n, nvis, m, invl, G, D, kt, kp, kmin, nt, vis, acc, sc, sc_off,
+              cached, P, a_sum, a_last, a_win, a_low, do_sum, do_last, do_win, do_low, scale,
               BN):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
     """One key tile of pass 2: ``P = sum_g exp(s - m_g) * (1 / l_g)`` per (query, key), reduced over the
-    queries (in order) into the tile's contributions ``a_*``."""
+    queries (in order) into the tile's contributions ``a_*``. ``cached``: the scaled scores ``s`` are pass 1's
+    (``sc``); else they are recomputed (same bits)."""
     BNe = _width(nt, BN)  # noqa: F821
+    GB = G * BN
     for jj in range(BNe):
         a_sum[jj] = _F0
         a_last[jj] = _F0
@@ -248,16 +292,24 @@ def _py_pass2(qb, n_need, qp_n, fl_n, w_n, thr_n, nvis, m, invl, G, D, kt, kp, k
             continue
         if _visible(kp, qp, vis, BNe) == 0:  # noqa: F821
             continue
-        _scores(qb, i * G, G, D, kt, acc, BN, BNe)  # noqa: F821
+        if cached:
+            buf = sc[sc_off + i * GB:sc_off + (i + 1) * GB]
+        else:
+            buf = acc[0:GB]
+            _scores(qb, i * G, G, D, kt, buf, BN, BNe)  # noqa: F821
+            for g in range(G):
+                a = buf[g * BN:g * BN + BNe]
+                for jj in range(BNe):
+                    a[jj] = a[jj] * scale
         for jj in range(BNe):
             P[jj] = _F0
         for g in range(G):
             mg = m[i * G + g]
             il = invl[i * G + g]
-            a = acc[g * BN:g * BN + BNe]
+            a = buf[g * BN:g * BN + BNe]
             for jj in range(BNe):
                 v = vis[jj]
-                x = a[jj] * scale - mg
+                x = a[jj] - mg
                 e = _fexp(x if v else _F0) * il  # noqa: F821
                 P[jj] += e if v else _F0
         f = fl_n[i]
@@ -279,7 +331,7 @@ def _py_pass2(qb, n_need, qp_n, fl_n, w_n, thr_n, nvis, m, invl, G, D, kt, kp, k
 
 def _py_kernel(qf, kraw, shift, k_snb, k_sbs, k_sh, k_sd, bt, lens, qpos, plen, kpos, kp_rs, bs, Hkv,
                out_sum, out_last, out_win, out_low, o_rs, do_sum, do_last, do_win, do_low,
-               scale, obs_window, decay, thr_g, BN, max_tiles):  # type: ignore[no-untyped-def]  # pragma: no cover
+               scale, obs_window, decay, thr_g, BN, max_tiles, max_scores):  # type: ignore[no-untyped-def]  # pragma: no cover
     B, Q, Hq, D = qf.shape
     G = Hq // Hkv
     W = min(BN, LANES)
@@ -290,8 +342,21 @@ def _py_kernel(qf, kraw, shift, k_snb, k_sbs, k_sh, k_sd, bt, lens, qpos, plen, 
         max_len = max(max_len, np.int64(lens[b]))
     CT = max(1, min((max_len + BN - 1) // BN, max_tiles))  # key tiles kept between the passes
     TS = D * BN
-    # scratch, reused for every (request, KV head)
-    kts = np.zeros(CT * TS, np.float32)
+    # score cache: the largest (valid queries x G x tiles x BN) of a request within one scratch chunk and
+    # max_scores (a request's needed queries are among its valid ones)
+    n_sc = 0
+    for b in range(B):
+        n_t = (np.int64(lens[b]) + BN - 1) // BN
+        qn = 0
+        for q in range(Q):
+            if qpos[b, q] >= 0:
+                qn += 1
+        need = qn * G * n_t * BN
+        if n_t <= CT and need <= max_scores:
+            n_sc = max(n_sc, need)
+    sc = np.empty(n_sc, np.float32)
+    # scratch, reused for every (request, KV head); every element a tile computation reads is written first
+    kts = np.empty(CT * TS, np.float32)
     ktu = kts.view(np.uint32)
     kps = np.empty(CT * BN, np.int64)
     slts = np.empty(CT * BN, np.int64)
@@ -305,6 +370,7 @@ def _py_kernel(qf, kraw, shift, k_snb, k_sbs, k_sh, k_sd, bt, lens, qpos, plen, 
     a_win = np.zeros(BN, np.float32)
     a_low = np.zeros(BN, np.float32)
     tmp = np.zeros(W, np.float32)
+    tm = np.empty(W, np.float32)
     qidx = np.empty(Q, np.int64)
     qp_n = np.empty(Q, np.int64)
     fl_n = np.empty(Q, np.int64)
@@ -346,6 +412,8 @@ def _py_kernel(qf, kraw, shift, k_snb, k_sbs, k_sh, k_sd, bt, lens, qpos, plen, 
             continue  # nothing to add (attn_last, set to 0 without a query, is the only write without queries)
         n_tiles = (n_len + BN - 1) // BN
         last_c0 = ((n_tiles - 1) // CT) * CT
+        RS = n_need * G * BN  # one tile's cached scores
+        cached = n_tiles <= CT and RS * n_tiles <= n_sc  # pass 2 reads pass 1's scores (else recomputes them)
         for h in range(Hkv):
             kp_off = h * kp_rs if per_head else 0
             for i in range(n_need):  # query rows of this KV head: qb[(i*G + g)*D + d]
@@ -368,7 +436,7 @@ def _py_kernel(qf, kraw, shift, k_snb, k_sbs, k_sh, k_sd, bt, lens, qpos, plen, 
                                             kp_off, ktu[ti * TS:(ti + 1) * TS], kps[ti * BN:(ti + 1) * BN],
                                             slts[ti * BN:(ti + 1) * BN], rowb, BN, D)
                         _pass1(qb, n_need, qp_n, G, D, kts[ti * TS:(ti + 1) * TS], kps[ti * BN:(ti + 1) * BN],  # noqa: F821
-                               kmins[ti], nt, vis, acc, ml, ll, nvis, scale, BN, W)
+                               kmins[ti], nt, vis, acc, sc, ti * RS, cached, tm, ml, ll, nvis, scale, BN, W)
                 # merge the lanes of each row: m = max, l = sum_lanes l_lane * exp(m_lane - m) (lane order)
                 for r in range(n_need * G):
                     mr = ml[r * W:(r + 1) * W]
@@ -396,7 +464,8 @@ def _py_kernel(qf, kraw, shift, k_snb, k_sbs, k_sh, k_sd, bt, lens, qpos, plen, 
                                             kp_off, ktu[ti * TS:(ti + 1) * TS], kps[ti * BN:(ti + 1) * BN],
                                             slts[ti * BN:(ti + 1) * BN], rowb, BN, D)
                     _pass2(qb, n_need, qp_n, fl_n, w_n, thr_n, nvis, m, invl, G, D, kts[ti * TS:(ti + 1) * TS],  # noqa: F821
-                           kps[ti * BN:(ti + 1) * BN], kmins[ti], nt, vis, acc, P, a_sum, a_last, a_win, a_low,
+                           kps[ti * BN:(ti + 1) * BN], kmins[ti], nt, vis, acc, sc, ti * RS, cached,
+                           P, a_sum, a_last, a_win, a_low,
                            do_sum, do_last, do_win, do_low, scale, BN)
                     sl = slts[ti * BN:(ti + 1) * BN]
                     for jj in range(nt):
@@ -523,8 +592,13 @@ def _flat(t: torch.Tensor, as_dtype: torch.dtype | None = None) -> np.ndarray:
     reinterprets the bits (same element size)."""
     if as_dtype is not None and as_dtype != t.dtype:
         t = t.view(as_dtype)
+    if t.is_contiguous():
+        return t.numpy().reshape(-1)
     span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) if t.numel() else 0
     return torch.as_strided(t, (span,), (1,)).numpy()
+
+
+_UNUSED = np.zeros(1, np.float32)
 
 
 def _tile(D: int, block_n: int | None) -> int:
@@ -554,11 +628,12 @@ def update_attn_stats_cpu(
     """Update ``stats[name]`` (``[H_kv, S]`` float32 CPU tensors, names from :data:`STAT_NAMES`; only those
     present are computed) in place for one layer and one step, exactly like the Triton
     ``update_attn_stats`` (same arguments): ``query [B, Q, H_q, D]``, ``key_cache [NB, bs, H_kv, D]``
-    (float32 or bfloat16, any strides: a unit stride along D takes the vectorised 8 x 8 gather, another
-    stride (vLLM's CPU layout stores K dim-major) the scalar one, same bits),
+    (float32 or bfloat16, any strides: a unit stride along D takes the vectorised 8 x 8 gather, a unit stride
+    along the block slot (vLLM's CPU layout stores K dim-major) contiguous per-dim copies, another the scalar
+    one; same bits),
     ``block_tables [B, max_blocks]``, ``cache_lens [B]``, ``query_pos [B, Q]`` (-1 = padding),
     ``key_positions [H_kv or 1, S]`` (-1 = dead), ``prompt_lens [B]`` (default: the end of this step).
-    ``block_n`` = key tile width (default 64 for D <= 64, else 32); ``num_warps`` is ignored (GPU only)."""
+    ``block_n`` = key tile width (default 128 for D <= 64, else 64); ``num_warps`` is ignored (GPU only)."""
     del num_warps
     unknown = set(stats) - set(STAT_NAMES)
     if unknown:
@@ -584,7 +659,7 @@ def update_attn_stats_cpu(
     for n in STAT_NAMES:
         t = stats.get(n)
         if t is None:
-            outs[n] = np.zeros(1, np.float32)
+            outs[n] = _UNUSED  # never written (its flag is off)
             continue
         if (t.dtype != torch.float32 or t.dim() != 2 or t.shape[0] != Hkv or t.stride(1) != 1
                 or t.device.type != "cpu" or (rs is not None and t.stride(0) != rs)):
@@ -616,4 +691,5 @@ def update_attn_stats_cpu(
       kp.stride(0) if per_head else 0, bs, Hkv, outs["attn_sum"], outs["attn_last"], outs["attn_window"],
       outs["low_attn_count"], rs,
       "attn_sum" in stats, "attn_last" in stats, "attn_window" in stats, "low_attn_count" in stats,
-      np.float32(scale), int(obs_window), decay, thr_g, BN, max(1, SCRATCH_BYTES // (D * BN * 4 + BN * 16)))
+      np.float32(scale), int(obs_window), decay, thr_g, BN, max(1, SCRATCH_BYTES // (D * BN * 4 + BN * 16)),
+      SCORE_BYTES // 4)

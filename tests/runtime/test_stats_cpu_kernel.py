@@ -216,21 +216,41 @@ def test_scratch_chunks_are_bit_identical(monkeypatch: pytest.MonkeyPatch) -> No
             assert torch.equal(part[n], full[n]), n
 
 
+@pytest.mark.parametrize("block_n", [None, 5, 24])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_dim_major_keys_give_the_same_bits(dtype: torch.dtype) -> None:
-    """vLLM's CPU layout stores K dim-major inside a (block, head) region (stride along D = block size):
-    the scalar gather reads it and produces exactly the bits of the unit-stride (vectorised) gather."""
+def test_dim_major_keys_give_the_same_bits(dtype: torch.dtype, block_n: int | None) -> None:
+    """vLLM's CPU layout stores K dim-major inside a (block, head) region (stride along the slot 1, along D
+    the block size): the per-block run copies read it and produce exactly the bits of the unit-stride
+    (vectorised) gather, for tiles holding whole blocks and tiles cutting blocks (block_n 5, 24 vs bs 16)."""
     query, key_cache, bt, lens, qpos, kpos, S = _case(5, 3, 6, 2, 2, 32, 16, True, dtype, True)
     NB, bs, H, D = key_cache.shape
     dim_major = key_cache.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)  # storage [NB, H, D, bs]
-    assert dim_major.stride(-1) == bs and torch.equal(dim_major, key_cache)
+    assert dim_major.stride(-1) == bs and dim_major.stride(1) == 1 and torch.equal(dim_major, key_cache)
     base = {n: torch.rand(H, S, generator=torch.Generator().manual_seed(2)) for n in STAT_NAMES}
     want = {n: v.clone() for n, v in base.items()}
     got = {n: v.clone() for n, v in base.items()}
-    update_attn_stats_cpu(query, key_cache, bt, lens, qpos, kpos, want)
-    update_attn_stats_cpu(query, dim_major, bt, lens, qpos, kpos, got)
+    update_attn_stats_cpu(query, key_cache, bt, lens, qpos, kpos, want, block_n=block_n)
+    update_attn_stats_cpu(query, dim_major, bt, lens, qpos, kpos, got, block_n=block_n)
     for n in STAT_NAMES:
         assert torch.equal(got[n], want[n]), n
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_score_cache_is_bit_identical(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
+    """Pass 2 reading pass 1's cached scores gives the bits of recomputing them (no cache, a cache too small
+    for some requests, a scratch of one tile: more than one chunk)."""
+    query, key_cache, bt, lens, qpos, kpos, S = _case(9, 3, 5, 3, 2, 16, 4, True, dtype, True)
+    base = {n: torch.rand(2, S, generator=torch.Generator().manual_seed(3)) for n in STAT_NAMES}
+    full = {n: v.clone() for n, v in base.items()}
+    update_attn_stats_cpu(query, key_cache, bt, lens, qpos, kpos, full, block_n=3)
+    for score_bytes, scratch in ((0, ck.SCRATCH_BYTES), (5 * 3 * 3 * 3 * 4, ck.SCRATCH_BYTES),
+                                 (ck.SCORE_BYTES, 16 * 3 * 4 + 3 * 16)):
+        monkeypatch.setattr(ck, "SCORE_BYTES", score_bytes)
+        monkeypatch.setattr(ck, "SCRATCH_BYTES", scratch)
+        part = {n: v.clone() for n, v in base.items()}
+        update_attn_stats_cpu(query, key_cache, bt, lens, qpos, kpos, part, block_n=3)
+        for n in STAT_NAMES:
+            assert torch.equal(part[n], full[n]), (n, score_bytes, scratch)
 
 
 def test_only_requested_stats_and_slots_are_written() -> None:
