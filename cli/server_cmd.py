@@ -65,8 +65,8 @@ def _cuda() -> bool:
 
 
 def server_command(model: str, policy: str, mode: str, eviction_ratio: float | None, budget_tokens: int | None,
-                   policy_name: str | None, debug: bool, vllm_args: list[str], when: str | None = None
-                   ) -> tuple[list[str], dict[str, str], str]:
+                   policy_name: str | None, debug: bool, vllm_args: list[str], when: str | None = None,
+                   slack: int | None = None) -> tuple[list[str], dict[str, str], str]:
     """``(argv, environment, effective-configuration line)``; ``typer.Exit(2)`` for a bad configuration."""
     from vtoken_runtime.vllm_plugin import serve_flags
     from vtoken_runtime.vllm_plugin.config import PluginConfig, describe_policy
@@ -85,10 +85,10 @@ def server_command(model: str, policy: str, mode: str, eviction_ratio: float | N
         _usage(f"model {model!r}: no such directory")
     try:
         cfg = PluginConfig(policy=policy, mode=mode, eviction_ratio=eviction_ratio, budget_tokens=budget_tokens,
-                           policy_name=policy_name, debug=debug, when=when)
+                           policy_name=policy_name, debug=debug, when=when, slack=slack)
         pol = cfg.load_policy()
         flags = serve_flags(policy=policy, mode=mode, eviction_ratio=eviction_ratio, budget_tokens=budget_tokens,
-                            policy_name=policy_name, debug=debug, when=when)
+                            policy_name=policy_name, debug=debug, when=when, slack=slack)
     except ValueError as e:
         _usage(str(e).removeprefix("vtoken: "))
     env = dict(os.environ)
@@ -129,6 +129,9 @@ def serve_server(
     debug: Annotated[bool, typer.Option(help="full token-table invariant checks every step (slow)")] = False,
     when: Annotated[str | None, typer.Option(help="override when the budget evicts: prefill | decode | both | "
                                                   "chunks (also after every prefill chunk)")] = None,
+    slack: Annotated[int | None, typer.Option(min=0, help="override the budget's slack: evict only once a request "
+                                                          "holds budget + slack tokens (e.g. one block: one policy "
+                                                          "call per block of decode instead of per token)")] = None,
     print_command: Annotated[bool, typer.Option("--print-command",
                                                 help="print the server command and exit")] = False,
 ) -> None:
@@ -137,7 +140,7 @@ def serve_server(
     if eviction_ratio is not None and budget_tokens is not None:
         _usage("give at most one of --eviction-ratio and --budget-tokens")
     argv, env, line = server_command(model, policy, mode, eviction_ratio, budget_tokens, policy_name, debug,
-                                     list(ctx.args), when)
+                                     list(ctx.args), when, slack)
     err.print(line, highlight=False, soft_wrap=True)
     if print_command:
         typer.echo(" ".join(argv))

@@ -59,15 +59,19 @@ class Budget(BaseModel):
         return cls(ratio=1.0 - eviction_ratio, **kw)  # type: ignore[arg-type]
 
     def override(self, tokens: int | None = None, eviction_ratio: float | None = None,
-                 when: When | None = None) -> Budget:
+                 when: When | None = None, slack: int | None = None) -> Budget:
         """This budget with its size replaced (a per-request override): ``tokens`` or ``eviction_ratio``
-        (at most one), keeping ``min_tokens``, ``slack`` and ``when`` (unless ``when`` is given). No
-        argument: ``self``."""
+        (at most one), keeping ``min_tokens``, ``slack`` and ``when`` (unless ``when`` / ``slack`` are
+        given). No argument: ``self``."""
         if tokens is not None and eviction_ratio is not None:
             raise ValueError("got both tokens and eviction_ratio, expected at most one")
-        keep = {"min_tokens": self.min_tokens, "slack": self.slack, "when": when or self.when}
-        if when is not None and tokens is None and eviction_ratio is None:
-            return self.model_copy(update={"when": Budget(ratio=1.0, when=when).when})
+        keep = {"min_tokens": self.min_tokens, "slack": self.slack if slack is None else slack,
+                "when": when or self.when}
+        if tokens is None and eviction_ratio is None:
+            if when is None and slack is None:
+                return self
+            size = {"tokens": self.tokens} if self.tokens is not None else {"ratio": self.ratio}
+            return Budget(**size, **keep)  # type: ignore[arg-type]  # validated (slack >= 0, when known)
         if tokens is not None:
             return Budget(tokens=int(tokens), **keep)  # type: ignore[arg-type]
         if eviction_ratio is not None:

@@ -35,6 +35,9 @@ class PluginConfig:
     eviction_ratio  overrides the policy budget with ``Budget.evict(r)`` (keeps its slack/when/min)
     budget_tokens   overrides the policy budget with an absolute token count
     when            overrides the budget's ``when`` (``chunks``: also evict after every prefill chunk)
+    slack           overrides the budget's ``slack``: evict only once ``live > budget + slack``, then down
+                    to the budget (one policy call and one reclaim per ``slack`` tokens instead of per
+                    decode step; a request holds at most ``slack`` tokens more)
     policy_name     which policy of a multi-policy file (default: the first)
     debug           full invariant checks of the token table after every step (slow)
     """
@@ -46,6 +49,7 @@ class PluginConfig:
     policy_name: str | None = None
     debug: bool = False
     when: str | None = None
+    slack: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -56,6 +60,9 @@ class PluginConfig:
             raise ValueError(f"vtoken: budget_tokens must be >= 1, got {self.budget_tokens}")
         if self.when is not None and self.when not in PHASES_OF:
             raise ValueError(f"vtoken: unknown when {self.when!r}; expected one of {sorted(PHASES_OF)}")
+        if self.slack is not None and (isinstance(self.slack, bool) or not isinstance(self.slack, int)
+                                       or self.slack < 0):
+            raise ValueError(f"vtoken: slack must be an integer >= 0 (tokens), got {self.slack!r}")
 
     @property
     def enabled(self) -> bool:
@@ -63,7 +70,8 @@ class PluginConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {"policy": self.policy, "mode": self.mode, "eviction_ratio": self.eviction_ratio,
-                "budget_tokens": self.budget_tokens, "policy_name": self.policy_name, "debug": self.debug, "when": self.when}
+                "budget_tokens": self.budget_tokens, "policy_name": self.policy_name, "debug": self.debug, "when": self.when,
+                "slack": self.slack}
 
     @classmethod
     def from_vllm_config(cls, vllm_config: Any) -> PluginConfig:
@@ -91,9 +99,10 @@ class PluginConfig:
         if not self.enabled:
             return None
         pol = _load_policy(str(self.policy), self.policy_name)
-        if self.eviction_ratio is not None or self.budget_tokens is not None or self.when is not None:
+        if any(x is not None for x in (self.eviction_ratio, self.budget_tokens, self.when, self.slack)):
             ratio = None if self.budget_tokens is not None else self.eviction_ratio  # budget_tokens wins
-            pol = pol.configure(budget=pol.budget.override(self.budget_tokens, ratio, self.when))  # type: ignore[arg-type]
+            pol = pol.configure(budget=pol.budget.override(self.budget_tokens, ratio, self.when,  # type: ignore[arg-type]
+                                                           self.slack))
         return pol
 
 

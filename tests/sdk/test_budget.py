@@ -154,3 +154,18 @@ def test_override_keeps_or_replaces_when() -> None:
     assert b.override(when="chunks").override(tokens=64).when == "chunks"  # a size override keeps when
     with pytest.raises(ValueError):
         b.override(when="sometimes")  # type: ignore[arg-type]
+
+
+def test_override_keeps_or_replaces_slack() -> None:
+    b = vt.Budget(ratio=0.5, min_tokens=8, slack=4, when="chunks")
+    assert b.override() is b
+    assert b.override(slack=32) == vt.Budget(ratio=0.5, min_tokens=8, slack=32, when="chunks")
+    assert b.override(eviction_ratio=0.7, slack=0) == vt.Budget.evict(0.7, min_tokens=8, slack=0, when="chunks")
+    assert b.override(slack=32).override(tokens=64).slack == 32  # a size override keeps slack
+    assert vt.Budget(tokens=100).override(slack=16) == vt.Budget(tokens=100, slack=16)
+    with pytest.raises(ValueError):
+        b.override(slack=-1)
+    # the slack changes when eviction runs, not how much is kept
+    s = b.override(slack=32)
+    assert not s.should_evict(live=82, seq_len=100, phase="decode") and s.should_evict(83, 100, "decode")
+    assert s.resolve(100) == b.resolve(100) == 50

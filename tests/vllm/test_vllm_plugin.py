@@ -103,15 +103,18 @@ def test_policy_none_matches_vanilla(tiny: Path) -> None:
     assert generate(llm, ps, 32) == ref
 
 
-@pytest.mark.parametrize(("policy", "mode", "chunk", "when"), [
-    ("streaming_llm", "compact", 8192, None),
-    ("h2o", "compact", 48, None),  # chunked prefill: 48-token chunks
-    ("scissorhands", "naive", 64, None),
-    ("h2o", "ordered", 8192, None),
-    ("h2o", "compact", 32, "chunks"),  # eviction after every prefill chunk (Budget(when="chunks"))
+@pytest.mark.parametrize(("policy", "mode", "chunk", "when", "slack"), [
+    ("streaming_llm", "compact", 8192, None, None),
+    ("h2o", "compact", 48, None, None),  # chunked prefill: 48-token chunks
+    ("scissorhands", "naive", 64, None, None),
+    ("h2o", "ordered", 8192, None, None),
+    ("h2o", "compact", 32, "chunks", None),  # eviction after every prefill chunk (Budget(when="chunks"))
+    ("h2o", "compact", 8192, None, 8),  # slack override: evict once live > budget + 8, down to the budget
 ])
-def test_eviction_exact_and_blocks(tiny: Path, policy: str, mode: str, chunk: int, when: str | None) -> None:
-    llm = engine(tiny, {"policy": policy, "mode": mode, "debug": True, "when": when}, max_num_batched_tokens=chunk)
+def test_eviction_exact_and_blocks(tiny: Path, policy: str, mode: str, chunk: int, when: str | None,
+                                   slack: int | None) -> None:
+    llm = engine(tiny, {"policy": policy, "mode": mode, "debug": True, "when": when, "slack": slack},
+                 max_num_batched_tokens=chunk)
     run = runner(llm)
     run.vtoken_trace = {}
     bad = _watch_blocks(llm, naive=mode == "naive")
@@ -127,6 +130,12 @@ def test_eviction_exact_and_blocks(tiny: Path, policy: str, mode: str, chunk: in
             kept = [min(s, max(_half_up(s), 4 + 32)) for s, _, _ in tr]  # h2o also keeps sinks(4) + recent(32)
             assert live == [k + n for k, (_, n, _) in zip(kept, tr, strict=True)], rid
             assert sum(1 for s, n, _ in tr if 0 < s < len(p)) >= 2, "expected evictions between prompt chunks"
+    if slack:  # decode steps attend to at most budget + slack earlier tokens, and some to more than the budget
+        for rid in _rid_order(run.vtoken_trace):
+            dec = [(s, int(k.shape[-1]) - n) for s, n, k in run.vtoken_trace[rid] if n == 1 and s > 0]
+            budget = [max(_half_up(s), 4 + 32) for s, _ in dec]
+            assert all(live <= b + slack for (_, live), b in zip(dec, budget, strict=True)), rid
+            assert any(live > b for (_, live), b in zip(dec, budget, strict=True)), rid
     sched = scheduler(llm)
     if mode != "naive":  # scattered eviction rarely kills a whole block: naive frees (almost) nothing
         assert sched.vtoken_stats["blocks_freed"] > 0
@@ -279,3 +288,12 @@ def test_engine_args_and_serve_flags() -> None:
         vllm_engine_args(policy="nope")
     with pytest.raises(ValueError):
         vllm_engine_args(policy="h2o", mode="weird")
+    a = vllm_engine_args(policy="h2o", eviction_ratio=0.5, slack=32, when="chunks")
+    assert a["additional_config"]["vtoken"]["slack"] == 32
+    from vtoken_runtime.vllm_plugin.config import PluginConfig
+
+    b = PluginConfig(**a["additional_config"]["vtoken"]).load_policy().budget
+    assert (b.slack, b.when, b.ratio) == (32, "chunks", 0.5)
+    for bad in (-1, 1.5, True, "8"):
+        with pytest.raises(ValueError, match="slack"):
+            vllm_engine_args(policy="h2o", slack=bad)
