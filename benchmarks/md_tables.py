@@ -36,22 +36,44 @@ def evaluation(d: dict) -> str:
     return "\n".join(out)
 
 
+def _sp(d: dict, key: str) -> str:
+    sp = d.get(f"{key}_spread") or {}
+    return f"[{sp.get('min')}, {sp.get('max')}]"
+
+
 def serve(d: dict) -> str:
-    rows = d["rows"]
-    van = rows[0]
-    out = ["| mode | policy | evict | max concurrency | vs vanilla | mean peak blocks/req | no-preemption concurrency "
-           "| vs vanilla | SLA rps | p95 s | tok/s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        g = r["max_concurrency"] / van["max_concurrency"]
-        g2 = r.get("guaranteed_concurrency", 0) / max(1, van.get("guaranteed_concurrency", 0) or 1)
-        out.append(f"| {r['mode']} | {r['policy']} | {r['eviction_ratio']} | {r['max_concurrency']} | {g:.2f}x | "
-                   f"{r.get('mean_peak_blocks', '-')} | {r.get('guaranteed_concurrency', '-')} | {g2:.2f}x | "
-                   f"{r['sla_throughput_rps'] if r['sla_throughput_rps'] is not None else '-'} | "
-                   f"{r['p95_latency_s'] if r['p95_latency_s'] is not None else '-'} | {r['closed_loop_tok_s']} |")
-    o = d["overhead"]
-    out.append(f"\noverhead with policy none: vanilla {o['vanilla_tok_s']} tok/s, plugin {o['plugin_none_tok_s']} tok/s "
-               f"({o['overhead_pct']}%); indirection {o.get('indirection_ms_per_step')} ms of a "
-               f"{o.get('step_ms')} ms step")
+    c = d["config"]
+    out = [f"trace: {c['num_requests']} essay prompts of {c['prompt_tokens'][0]}-{c['prompt_tokens'][1]} tokens "
+           f"(mean {c['prompt_tokens_mean']}), outputs {c['output_tokens'][0]}-{c['output_tokens'][1]} (mean "
+           f"{c['output_tokens_mean']}); KV budget {c['kv_blocks']} blocks of {c['block_size']}; eviction "
+           f"when={c['when']}, chunks of {c['chunk_tokens']}, steps of {c.get('step_tokens') or c['chunk_tokens']} tokens, slack "
+           f"{c.get('slack', 0)}; SLOs TTFT {c['ttft_slo_s']} s ({c['ttft_slo_factor']}x), TPOT "
+           f"{1e3 * c['tpot_slo_s']:.1f} ms ({c['tpot_slo_factor']}x), {c['slo_attainment']:.0%} attainment; "
+           f"statistics backend {c.get('stats_backend')}; {d['seconds']} s\n",
+           "| mode | policy | evict | running peak | vs vanilla | mean peak blocks/req | guaranteed (no preemption) "
+           "| vs vanilla | preemptions | closed-loop tok/s | goodput rps | vs vanilla |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in d["rows"]:
+        def x(v: object) -> str:
+            return "-" if v is None else f"{v:.2f}x"
+        out.append(f"| {r['mode']} | {r['policy']} | {r['eviction_ratio']} | {r['max_concurrency']} | "
+                   f"{x(r.get('concurrency_gain'))} | {r['mean_peak_blocks']} | {r['guaranteed_concurrency']} | "
+                   f"{x(r.get('guaranteed_gain'))} | {r['preemptions']} | {r['closed_loop_tok_s']} | "
+                   f"{'-' if r.get('goodput_rps') is None else r['goodput_rps']} | {x(r.get('goodput_gain'))} |")
+    t = d.get("throughput")
+    if t:
+        out.append(f"\nclosed loop, {t['rounds']} lockstep rounds: vanilla {t['vanilla_tok_s']} tok/s "
+                   f"{_sp(t, 'vanilla_tok_s')}, vToken H2O {t['eviction_ratio']} {t['vtoken_tok_s']} tok/s "
+                   f"{_sp(t, 'vtoken_tok_s')}: {t['ratio']}x {_sp(t, 'ratio')}")
+    o, s = d["overhead"], d["stats_cost"]
+    out.append(f"\noverhead, policy none vs vanilla ({o['rounds']} interleaved rounds, {o['requests']} request(s)): "
+               f"vanilla {o['vanilla_tok_s']} tok/s {_sp(o, 'vanilla_tok_s')}, plugin {o['plugin_none_tok_s']} tok/s "
+               f"{_sp(o, 'plugin_none_tok_s')}: {o['overhead_pct']}% {_sp(o, 'overhead_pct')} wall, "
+               f"{o['overhead_pct_cpu']}% {_sp(o, 'overhead_pct_cpu')} CPU; A/A control {o.get('aa_pct_cpu')}% "
+               f"{_sp(o, 'aa_pct_cpu')}; indirection {o.get('indirection_ms_per_step')} ms of a {o.get('step_ms')} ms step")
+    out.append(f"\nstatistics cost, H2O {s['eviction_ratio']} vs policy none ({s['rounds']} rounds, {s['requests']} "
+               f"request(s)): {s['h2o_s']} s vs {s['none_s']} s = {s['ratio']}x {_sp(s, 'ratio')} wall, "
+               f"{s['ratio_cpu']}x {_sp(s, 'ratio_cpu')} CPU")
     return "\n".join(out)
 
 

@@ -1,18 +1,38 @@
 """Serving benchmark of the vLLM plugin (``vtoken-cli bench serve``): SmolLM2 under a fixed KV budget.
 
-One run measures, on a trace of essay prompts with mixed output lengths:
+The trace: essay prompts of 1K-2K tokens (varied lengths), outputs of 128-256 tokens (``--quick``: 11
+requests, prompts of 1K-1.15K, outputs of 64-96). The KV budget (``kv_blocks``) is sized from the trace:
+``vanilla_target + 0.5`` mean whole requests, so vanilla vLLM holds ``vanilla_target`` (4; quick 3) at once
+and no engine's count sits on a rounding edge. Prefill is chunked (``chunk_tokens``, 128, one chunk per
+step); vToken and Naive-Evict rows evict after every prefill chunk by default (``when="chunks"``): a long
+prompt never holds more than its budget plus one chunk, and admission needs only the first chunk's blocks.
+``slack`` (default 0) is the evicting rows' budget slack.
 
-(a) max concurrency   all requests submitted at once (closed loop, ``max_num_seqs`` = trace size); the
-                      peak number of requests running at the same step under the fixed
-                      ``kv_cache_memory_bytes``; for vanilla, Naive-Evict and vToken at each eviction
-                      ratio and policy
-(b) SLA throughput    Poisson arrivals at increasing rates; the highest rate whose p95 latency stays
-                      <= 1.05x the vanilla engine's p95 at low load (the seed paper's definition; low
-                      load = the same requests one at a time)
-(c) overhead          closed-loop output tokens/s with the plugin on and policy ``none`` vs vanilla
-                      (interleaved repeats, best of each)
+(a) concurrency      the whole trace submitted at once (``max_num_seqs`` = trace size): the running peak
+                     (most requests scheduled in one step) and the no-preemption ("guaranteed") concurrency
+                     ``floor(kv_blocks / mean per-request peak blocks)``, peaks read right after
+                     ``schedule()`` (so a chunk's blocks count before its eviction frees them); plus the
+                     closed-loop tokens/s. Vanilla and vToken H2O 0.5 run the trace in LOCKSTEP for
+                     ``throughput_rounds`` rounds (their tokens/s are compared: ``throughput``); the other
+                     rows run it once (their counts do not depend on timing)
+(b) goodput          DistServe's definition: the highest Poisson arrival rate at which at least
+                     ``slo_attainment`` of the requests meet BOTH the TTFT and the TPOT SLO. SLOs are
+                     multiples of vanilla's unloaded (one request at a time) mean TTFT and TPOT. Found by a
+                     geometric ladder that brackets the goodput, then bisection (:func:`search_goodput`); a
+                     rate's run stops as soon as it has missed more requests than the attainment allows.
+                     Times are read on :class:`ServingClock` (default ``cpu``: this process's CPU time, idle
+                     gaps skipped, so other jobs on the machine do not decide the figure)
+(c) overhead         plugin with policy ``none`` vs vanilla, and ``stats_cost``: H2O vs policy ``none``
+                     (same eviction ratio setting): closed-loop end-to-end time of the trace's first requests
+                     that fit the KV budget together (so only the per-step work differs, not the batch),
+                     run INTERLEAVED: each round runs the trace on the statistics-free engines in lockstep,
+                     one engine step each in turn (:func:`run_lockstep`; the order rotating per round), each
+                     engine's time summed over its own steps, and H2O / policy none alone in ABBA order;
+                     reported as medians with [min, max] and ratios with the [min, max] of the per-round
+                     ratios, on the wall clock and on CPU time, with an A/A control (a second vanilla engine)
 
-Engines run in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0), one after another.
+TTFT = first output token seen by the step loop - scheduled arrival; TPOT = (finish - first token) /
+(output tokens - 1). Engines run in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0).
 """
 
 from __future__ import annotations
@@ -20,59 +40,355 @@ from __future__ import annotations
 import gc
 import math
 import os
+import statistics
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",
-       "VLLM_USE_V2_MODEL_RUNNER": "0", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+       "VLLM_USE_V2_MODEL_RUNNER": "0", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+       "VLLM_LOGGING_LEVEL": "WARNING"}
+
+WHEN = ("prefill", "chunks")
+MODES = {"naive": "naive", "vtoken": "compact"}  # row label -> plugin mode
+Trace = list[tuple[list[int], int]]  # [(prompt ids, max_tokens)]
 
 
 @dataclass
 class ServeConfig:
-    policies: tuple[str, ...] = ("h2o", "scissorhands")
+    policies: tuple[str, ...] = ("h2o", "scissorhands", "streaming_llm")
     ratios: tuple[float, ...] = (0.3, 0.5, 0.7)
-    num_requests: int = 24
-    prompt_len: int = 256
-    output_lens: tuple[int, ...] = (32, 64, 96)
-    kv_blocks: int = 48
+    modes: tuple[str, ...] = ("naive", "vtoken")
+    num_requests: int = 14
+    prompt_tokens: tuple[int, int] = (1024, 1536)  # inclusive range of prompt lengths
+    output_tokens: tuple[int, int] = (128, 192)  # inclusive range of output lengths
     block_size: int = 32
-    max_model_len: int = 512
-    sla_rates: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0, 4.0)
-    sla_requests: int = 12
-    sla_modes: str = "all"  # "all" rows, or "h2o0.5" (vanilla + the H2O 0.5 rows only)
-    slo_factor: float = 1.05
-    overhead_repeats: int = 2
+    chunk_tokens: int = 128  # a request's prefill chunk (long_prefill_token_threshold): peaks at budget + chunk
+    # max_num_batched_tokens (None: chunk_tokens). Larger lets several requests prefill in one step, but then
+    # vLLM admits more requests than the KV budget holds and preempts them later: vanilla's running peak
+    # (6 with 512 on the quick trace, whose budget holds 3 whole requests) stops meaning capacity
+    step_tokens: int | None = None
+    kv_blocks: int | None = None  # None: (vanilla_target + 0.5) x the trace's mean whole-request footprint
+    vanilla_target: float = 4.0
+    slack: int = 0  # the vToken / Naive rows' budget slack (tokens; 0: evict every step that exceeds the budget)
+    max_model_len: int | None = None  # None: longest prompt + longest output, rounded up to a block
+    when: str = "chunks"
+    clock: str = "cpu"  # TTFT / TPOT / arrivals of the goodput runs: "cpu" (see ServingClock) or "wall"
+    # rows whose goodput is searched besides vanilla's: "all", "none", or "POLICY@RATIO[,...]" (vToken rows;
+    # "naive:POLICY@RATIO" for a Naive-Evict row)
+    goodput_rows: str = "h2o@0.5"
+    goodput_requests: int = 12
+    unloaded_requests: int = 3
+    ttft_slo_factor: float = 5.0
+    tpot_slo_factor: float = 3.0
+    slo_attainment: float = 0.9
+    rate_factor: float = 2.0
+    max_ladder: int = 4
+    bisect_steps: int = 2
+    rounds: int = 4  # interleaved rounds of (c) (6 balances the orders of interleaved_order for 3 engines)
+    throughput_rounds: int = 3  # lockstep rounds of vanilla vs vToken H2O 0.5 (closed loop)
+    throughput_requests: int | None = 8  # the trace's first requests those rounds run (None: the whole trace)
+    workers: int = 2  # processes running the single-run concurrency rows side by side (1: in this process)
+    rebuild: bool = True  # build the engines of (c) afresh every round (see run_serve_benchmark)
+    overhead_requests: int = 1
     seed: int = 0
     model: str | None = None
 
+    def goodput_keys(self) -> set[tuple[str, str, float]] | None:
+        """``goodput_rows`` as ``{(mode, policy, ratio)}`` (None: every row)."""
+        g = self.goodput_rows.strip()
+        if g == "all":
+            return None
+        if g in ("none", ""):
+            return set()
+        out = set()
+        for item in g.split(","):
+            mode, _, rest = item.strip().rpartition(":")
+            pol, at, ratio = rest.partition("@")
+            try:
+                r = float(ratio)
+            except ValueError:
+                r = -1.0
+            if not at or not pol or (mode or "vtoken") not in MODES or not 0.0 <= r < 1.0:
+                raise ValueError(f"goodput_rows item {item!r}; expected POLICY@RATIO or naive:POLICY@RATIO "
+                                 "(or all / none)")
+            out.add((mode or "vtoken", pol, round(r, 6)))
+        return out
+
     @classmethod
     def quick(cls) -> ServeConfig:
-        return cls(policies=("h2o", "scissorhands"), num_requests=14, prompt_len=128, output_lens=(32, 64, 96),
-                   kv_blocks=32, sla_rates=(0.5, 1.0, 2.0), sla_requests=4, sla_modes="h2o0.5", overhead_repeats=1)
+        return cls(policies=("h2o",), ratios=(0.5, 0.7), modes=("vtoken",), num_requests=11,
+                   prompt_tokens=(1024, 1152), output_tokens=(64, 96), vanilla_target=3.0,
+                   goodput_rows="h2o@0.5", goodput_requests=6, unloaded_requests=2, max_ladder=3, bisect_steps=0,
+                   rounds=3, rebuild=False, overhead_requests=1, throughput_rounds=3, throughput_requests=None)
+
+    def validate(self) -> None:
+        if self.when not in WHEN:
+            raise ValueError(f"when={self.when!r}; expected one of {WHEN}")
+        if bad := [m for m in self.modes if m not in MODES]:
+            raise ValueError(f"modes {bad}; expected some of {sorted(MODES)}")
+        if self.clock not in ("cpu", "wall"):
+            raise ValueError(f"clock={self.clock!r}; expected cpu or wall")
+        self.goodput_keys()  # raises on a malformed list
+        if self.workers < 1:
+            raise ValueError(f"workers={self.workers}; expected >= 1")
+        for name, (lo, hi) in (("prompt_tokens", self.prompt_tokens), ("output_tokens", self.output_tokens)):
+            if not 1 <= lo <= hi:
+                raise ValueError(f"{name}=({lo}, {hi}); expected 1 <= min <= max")
+        if not 0.0 < self.slo_attainment <= 1.0:
+            raise ValueError(f"slo_attainment={self.slo_attainment}; expected (0, 1]")
+        if self.rate_factor <= 1.0:
+            raise ValueError(f"rate_factor={self.rate_factor}; expected > 1")
+        if any(not 0.0 <= r < 1.0 for r in self.ratios):
+            raise ValueError(f"ratios {self.ratios}; expected values in [0, 1)")
+        if self.chunk_tokens < 1 or (self.step_tokens is not None and self.step_tokens < self.chunk_tokens):
+            raise ValueError(f"chunk_tokens={self.chunk_tokens}, step_tokens={self.step_tokens}; expected "
+                             "1 <= chunk_tokens <= step_tokens")
+        if self.slack < 0:
+            raise ValueError(f"slack={self.slack}; expected >= 0 tokens")
+        if self.rounds < 1 or self.throughput_rounds < 1:
+            raise ValueError(f"rounds={self.rounds}, throughput_rounds={self.throughput_rounds}; expected >= 1")
+
+
+# ============================================================================ engine-free helpers (unit-tested)
+def spread(xs: Sequence[float]) -> dict[str, float]:
+    """``{"median", "min", "max"}`` of a non-empty sample."""
+    if not xs:
+        raise ValueError("spread of an empty sample")
+    return {"median": float(statistics.median(xs)), "min": float(min(xs)), "max": float(max(xs))}
+
+
+def paired_ratio(num: Sequence[float], den: Sequence[float]) -> dict[str, float]:
+    """Ratio of medians ``median(num) / median(den)`` and ``[min, max]`` of the per-round ratios
+    ``num[i] / den[i]`` (rounds are paired: both ran in the same interleaved round)."""
+    if len(num) != len(den) or not num:
+        raise ValueError(f"paired samples of lengths {len(num)} and {len(den)}")
+    per = [a / b for a, b in zip(num, den, strict=True)]
+    return {"ratio": float(statistics.median(num) / statistics.median(den)), "min": min(per), "max": max(per)}
+
+
+def _r(d: dict[str, float], k: int = 2) -> dict[str, float]:
+    return {a: round(b, k) for a, b in d.items()}
+
+
+def summarize_interleaved(wall: dict[str, list[float]], cpu: dict[str, list[float]],
+                          tokens: int, stats_ref: str = "none") -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(overhead, stats_cost)`` from per-round seconds of the engines ``vanilla``, ``none`` and ``h2o``
+    (round ``i`` of every engine ran in the same interleaved round; ``tokens`` output tokens per run), and
+    of ``vanilla_b`` if present: a second vanilla engine, the A/A control (``aa_pct``: its "overhead").
+    ``stats_cost`` compares ``h2o`` with ``stats_ref`` (policy none's runs measured alongside H2O's).
+    Wall-clock figures are the end-to-end ones; ``_cpu`` figures use this process's CPU time, which
+    another job sharing the machine does not inflate."""
+    def tok_s(xs: list[float]) -> list[float]:
+        return [tokens / x for x in xs]
+
+    def pct(pr: dict[str, float]) -> tuple[float, dict[str, float]]:  # overhead % = 1 - none / vanilla tok/s
+        return round(100.0 * (1.0 - pr["ratio"]), 2), {"min": round(100.0 * (1.0 - pr["max"]), 2),
+                                                      "max": round(100.0 * (1.0 - pr["min"]), 2)}
+
+    ov, ov_spread = pct(paired_ratio(tok_s(wall["none"]), tok_s(wall["vanilla"])))
+    ovc, ovc_spread = pct(paired_ratio(tok_s(cpu["none"]), tok_s(cpu["vanilla"])))
+    overhead = {"vanilla_tok_s": round(statistics.median(tok_s(wall["vanilla"])), 2),
+                "plugin_none_tok_s": round(statistics.median(tok_s(wall["none"])), 2),
+                "vanilla_tok_s_spread": _r(spread(tok_s(wall["vanilla"]))),
+                "plugin_none_tok_s_spread": _r(spread(tok_s(wall["none"]))),
+                "overhead_pct": ov, "overhead_pct_spread": ov_spread,
+                "overhead_pct_cpu": ovc, "overhead_pct_cpu_spread": ovc_spread,
+                # noise only ever adds time: the fastest run of each is the least disturbed estimate
+                "overhead_pct_cpu_fastest": round(100.0 * (1.0 - min(cpu["vanilla"]) / min(cpu["none"])), 2)}
+    if "vanilla_b" in wall:  # A/A control: a second vanilla engine, measured the same way
+        aa, aa_spread = pct(paired_ratio(tok_s(wall["vanilla_b"]), tok_s(wall["vanilla"])))
+        aac, aac_spread = pct(paired_ratio(tok_s(cpu["vanilla_b"]), tok_s(cpu["vanilla"])))
+        overhead.update(aa_pct=aa, aa_pct_spread=aa_spread, aa_pct_cpu=aac, aa_pct_cpu_spread=aac_spread)
+        # vanilla engines built before and after the plugin's: their per-round geometric mean cancels a
+        # build-order trend (the reference the plugin engine is compared with, "bracketed")
+        for key, xs in (("overhead_pct_bracketed", wall), ("overhead_pct_bracketed_cpu", cpu)):
+            ref = [math.sqrt(a * b) for a, b in zip(xs["vanilla"], xs["vanilla_b"], strict=True)]
+            v, sp = pct(paired_ratio(tok_s(xs["none"]), tok_s(ref)))
+            overhead.update({key: v, f"{key}_spread": sp})
+    nw, nc = wall[stats_ref], cpu[stats_ref]
+    sr = paired_ratio(wall["h2o"], nw)
+    sc = paired_ratio(cpu["h2o"], nc)
+    stats_cost = {"none_s": round(statistics.median(nw), 3),
+                  "h2o_s": round(statistics.median(wall["h2o"]), 3),
+                  "none_s_spread": _r(spread(nw), 3), "h2o_s_spread": _r(spread(wall["h2o"]), 3),
+                  "ratio": round(sr["ratio"], 3),
+                  "ratio_spread": {"min": round(sr["min"], 3), "max": round(sr["max"], 3)},
+                  "none_cpu_s": round(statistics.median(nc), 3),
+                  "h2o_cpu_s": round(statistics.median(cpu["h2o"]), 3),
+                  "ratio_cpu": round(sc["ratio"], 3),
+                  "ratio_cpu_spread": {"min": round(sc["min"], 3), "max": round(sc["max"], 3)},
+                  "ratio_cpu_fastest": round(min(cpu["h2o"]) / min(nc), 3)}
+    return overhead, stats_cost
+
+
+def summarize_throughput(vanilla: Sequence[RunResult], vtoken: Sequence[RunResult]) -> dict[str, Any]:
+    """Closed-loop tokens/s of vanilla and vToken over paired lockstep rounds: medians with ``[min, max]``
+    and the ratio ``vtoken / vanilla`` with the ``[min, max]`` of the per-round ratios (wall and CPU time)."""
+    vw = [r.tok_s for r in vanilla]
+    tw = [r.tok_s for r in vtoken]
+    vc = [r.output_tokens / r.cpu_seconds for r in vanilla]
+    tc = [r.output_tokens / r.cpu_seconds for r in vtoken]
+    pr, pc = paired_ratio(tw, vw), paired_ratio(tc, vc)
+    return {"vanilla_tok_s": round(statistics.median(vw), 2), "vanilla_tok_s_spread": _r(spread(vw)),
+            "vtoken_tok_s": round(statistics.median(tw), 2), "vtoken_tok_s_spread": _r(spread(tw)),
+            "ratio": round(pr["ratio"], 3), "ratio_spread": {"min": round(pr["min"], 3), "max": round(pr["max"], 3)},
+            "ratio_cpu": round(pc["ratio"], 3),
+            "ratio_cpu_spread": {"min": round(pc["min"], 3), "max": round(pc["max"], 3)}}
+
+
+def interleaved_order(names: Sequence[str], rounds: int) -> list[list[str]]:
+    """The order of each round: every name once, the cycle alternating direction each round and rotating
+    (A B C, B A C, B C A, A C B, C A B, C B A for three names). Run in lockstep (one
+    step each in turn, cyclically) every name follows every other equally often over each pair of rounds
+    for three names: a step that leaves the caches cold for its successor (H2O's statistics) cannot
+    always hit the same engine, and every name takes every position."""
+    n = len(names)
+    out = []
+    for i in range(rounds):
+        base = list(names) if i % 2 == 0 else list(names)[::-1]
+        j = i // 2 + (i % 2)
+        out.append([base[(j + k) % n] for k in range(n)])
+    return out
+
+
+def pair_order(a: str, b: str, rounds: int) -> list[list[str]]:
+    """A B, B A, B A, A B, A B, B A, ... (ABBA): each first equally often and a linear drift cancels."""
+    return [[a, b] if i % 4 in (0, 3) else [b, a] for i in range(rounds)]
+
+
+def allowed_misses(n_requests: int, attainment: float) -> int:
+    """How many of ``n_requests`` may miss their SLO with the attainment still ``>= attainment``."""
+    return int(math.floor((1.0 - attainment) * n_requests + 1e-9))
+
+
+def meets_slo(ttft: float | None, tpot: float | None, ttft_slo: float, tpot_slo: float) -> bool:
+    """A request meets the SLO when it has a first token within ``ttft_slo`` and a TPOT within
+    ``tpot_slo`` (None: never produced / never finished = a miss)."""
+    return ttft is not None and tpot is not None and ttft <= ttft_slo and tpot <= tpot_slo
+
+
+def attainment(ttfts: Sequence[float | None], tpots: Sequence[float | None], ttft_slo: float,
+               tpot_slo: float) -> float:
+    """Fraction of the requests meeting BOTH SLOs (DistServe's SLO attainment)."""
+    if len(ttfts) != len(tpots):
+        raise ValueError("one TTFT and one TPOT per request")
+    if not ttfts:
+        return 0.0
+    return sum(meets_slo(a, b, ttft_slo, tpot_slo) for a, b in zip(ttfts, tpots, strict=True)) / len(ttfts)
+
+
+def tpot_of(first: float, finish: float, n_out: int) -> float:
+    """Time per output token after the first: ``(finish - first) / (n_out - 1)`` (0 for one token)."""
+    return (finish - first) / (n_out - 1) if n_out > 1 else 0.0
 
 
 @dataclass
-class RunResult:
-    max_running: int = 0
-    peak_blocks: dict[str, int] = field(default_factory=dict)  # request -> most KV blocks it ever held
-    preemptions: int = 0
-    seconds: float = 0.0
-    output_tokens: int = 0
-    latencies: list[float] = field(default_factory=list)
-    blocks_freed: int = 0
+class GoodputSearch:
+    goodput: float
+    probes: list[tuple[float, float]]  # (rate, attainment) in the order run
+    bracket: tuple[float, float | None]  # highest passing rate, lowest failing rate above it (None: unbounded)
 
     @property
-    def tok_s(self) -> float:
-        return self.output_tokens / self.seconds if self.seconds > 0 else 0.0
-
-    @property
-    def p95(self) -> float:
-        return float(np.percentile(self.latencies, 95)) if self.latencies else float("nan")
+    def saturated(self) -> bool:
+        """True when the ladder never found a failing rate (the goodput is a lower bound)."""
+        return self.bracket[1] is None and self.goodput > 0
 
 
+def search_goodput(run: Callable[[float], float], start: float, target: float, *, factor: float = 2.0,
+                   max_ladder: int = 4, bisect_steps: int = 2, min_rate: float = 0.0) -> GoodputSearch:
+    """Highest rate whose ``run(rate) -> attainment`` is ``>= target``, assuming attainment falls with the
+    rate. A geometric ladder from ``start`` (``x factor`` up while passing, ``/ factor`` down while
+    failing, at most ``max_ladder`` steps and never below ``min_rate``) brackets it; ``bisect_steps``
+    geometric bisections narrow the bracket. Returns 0 when the lowest rate probed fails."""
+    if start <= 0 or factor <= 1:
+        raise ValueError(f"start={start}, factor={factor}; expected start > 0, factor > 1")
+    probes: list[tuple[float, float]] = []
+
+    def ok(rate: float) -> bool:
+        a = float(run(rate))
+        probes.append((rate, a))
+        return a >= target - 1e-12
+
+    lo: float | None = None
+    hi: float | None = None
+    r = start
+    if ok(r):
+        lo = r
+        for _ in range(max_ladder):
+            r *= factor
+            if not ok(r):
+                hi = r
+                break
+            lo = r
+    else:
+        hi = r
+        for _ in range(max_ladder):
+            r /= factor
+            if r < min_rate:
+                break
+            if ok(r):
+                lo = r
+                break
+            hi = r
+    if lo is None:
+        return GoodputSearch(0.0, probes, (0.0, hi))
+    if hi is not None:
+        for _ in range(bisect_steps):
+            mid = math.sqrt(lo * hi)
+            if ok(mid):
+                lo = mid
+            else:
+                hi = mid
+    return GoodputSearch(lo, probes, (lo, hi))
+
+
+def poisson_arrivals(n: int, rate: float | None, seed: int = 1) -> np.ndarray:
+    """Arrival times (s) of ``n`` requests, the first at 0: Poisson at ``rate`` req/s, or all at 0 for
+    ``rate=None``. The same seed gives the same pattern scaled by ``1 / rate`` (rates compare alike)."""
+    if not rate:
+        return np.zeros(n)
+    gaps = np.random.default_rng(seed).exponential(1.0, size=n) / rate
+    return np.cumsum(gaps) - gaps[0]
+
+
+def trace_lengths(cfg: ServeConfig) -> tuple[list[int], list[int]]:
+    """Prompt and output lengths of the trace: seeded uniform draws in the configured ranges."""
+    g = np.random.default_rng(cfg.seed)
+    p = g.integers(cfg.prompt_tokens[0], cfg.prompt_tokens[1] + 1, size=cfg.num_requests)
+    o = g.integers(cfg.output_tokens[0], cfg.output_tokens[1] + 1, size=cfg.num_requests)
+    return [int(x) for x in p], [int(x) for x in o]
+
+
+def footprint_blocks(prompt: int, output: int, block_size: int) -> int:
+    """KV blocks a request holds at its end without eviction."""
+    return -(-(prompt + output) // block_size)
+
+
+def default_kv_blocks(trace: Trace, block_size: int, vanilla_target: float) -> int:
+    """A KV budget holding ``vanilla_target + 0.5`` mean whole requests of the trace (no eviction): vanilla
+    fits ``vanilla_target`` of them, and the budget sits half a request away from the next integer, so that
+    neither vanilla's count nor an evicting engine's lands on a rounding edge (with exactly
+    ``vanilla_target`` requests, a policy needing 1% over half the blocks would fit one request fewer)."""
+    mean = sum(footprint_blocks(len(p), m, block_size) for p, m in trace) / len(trace)
+    return int(math.ceil((vanilla_target + 0.5) * mean))
+
+
+def fitting_prefix(trace: Trace, block_size: int, kv_blocks: int, want: int) -> int:
+    """The largest ``n <= want`` such that the first ``n`` requests fit the budget together, whole."""
+    n, used = 0, 0
+    for p, m in trace[:want]:
+        used += footprint_blocks(len(p), m, block_size)
+        if used > kv_blocks:
+            break
+        n += 1
+    return max(1, n)
+
+
+# ============================================================================ engines
 def _set_env() -> None:
     for k, v in ENV.items():
         os.environ.setdefault(k, v)
@@ -86,31 +402,57 @@ def kv_bytes(model_dir: str, blocks: int, block_size: int) -> int:
     return blocks * 2 * c.num_hidden_layers * c.num_key_value_heads * hd * block_size * 4
 
 
-def make_trace(model_dir: str, cfg: ServeConfig) -> list[tuple[list[int], int]]:
-    """``[(prompt ids, max_tokens)]``: consecutive essay windows, output lengths cycling."""
+def make_trace(model_dir: str, cfg: ServeConfig) -> Trace:
+    """``[(prompt ids, max_tokens)]``: consecutive essay windows of the drawn lengths."""
     from transformers import AutoTokenizer
 
     from vtoken_bench.essays import essay_token_requests
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    reqs = essay_token_requests(tok, [cfg.prompt_len], cfg.num_requests, offset=cfg.seed * 7919)
-    return [(p, cfg.output_lens[i % len(cfg.output_lens)]) for i, p in enumerate(reqs)]
+    plens, olens = trace_lengths(cfg)
+    prompts = essay_token_requests(tok, plens, 1, offset=cfg.seed * 7919)
+    return list(zip(prompts, olens, strict=True))
 
 
-def build_engine(model_dir: str, cfg: ServeConfig, plugin: dict[str, Any] | None, max_num_seqs: int) -> Any:
-    _set_env()
-    from vllm import LLM
+class ServingClock:
+    """The time line of a serving run, in seconds from its start.
 
-    from vtoken_runtime.vllm_plugin import vllm_engine_args
+    ``wall``: ``time.perf_counter``; waiting for the next arrival sleeps. ``cpu``: this process's CPU time
+    (the engine runs in-process on one thread), and waiting for the next arrival with nothing in flight
+    jumps the clock there instead of sleeping. On a machine shared with other jobs, ``cpu`` measures the
+    run as if it had its core to itself: time another process takes from it is not counted (cache and
+    memory-bandwidth contention still is), and idle gaps cost no real time."""
 
-    args: dict[str, Any] = dict(model=model_dir, dtype="float32", max_model_len=cfg.max_model_len,
-                                block_size=cfg.block_size, enforce_eager=True, seed=0,
-                                kv_cache_memory_bytes=kv_bytes(model_dir, cfg.kv_blocks, cfg.block_size),
-                                max_num_seqs=max_num_seqs, enable_prefix_caching=False,
-                                max_num_batched_tokens=max(512, cfg.prompt_len))
-    if plugin is not None:
-        args.update(vllm_engine_args(**plugin))
-    return LLM(**args)
+    def __init__(self, kind: str = "wall", wall: Callable[[], float] = time.perf_counter,
+                 cpu: Callable[[], float] = time.process_time) -> None:
+        if kind not in ("wall", "cpu"):
+            raise ValueError(f"clock {kind!r}; expected wall or cpu")
+        self.kind = kind
+        self._f = cpu if kind == "cpu" else wall
+        self._t0 = self._f()
+        self._skipped = 0.0
+
+    def now(self) -> float:
+        return self._f() - self._t0 + self._skipped
+
+    def wait_until(self, t: float) -> None:
+        d = t - self.now()
+        if d <= 0:
+            return
+        if self.kind == "wall":
+            time.sleep(d)
+        else:
+            self._skipped += d
+
+
+@dataclass
+class Probe:
+    """Filled by the scheduler wrapper after every ``schedule()`` (so chunk allocations that the step's
+    eviction frees again are counted)."""
+    max_running: int = 0
+    peak_blocks: dict[str, int] = field(default_factory=dict)
+    preemptions: int = 0
+    steps: int = 0
 
 
 def _sched(llm: Any) -> Any:
@@ -122,60 +464,46 @@ def _runner(llm: Any) -> Any:
     return getattr(w, "worker", w).model_runner
 
 
-def run_trace(llm: Any, trace: list[tuple[list[int], int]], rate: float | None = None, seed: int = 0) -> RunResult:
-    """Closed loop (``rate=None``: everything at t=0) or Poisson arrivals at ``rate`` req/s. Latency =
-    finish - arrival (wall clock)."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    eng = llm.llm_engine
+def _instrument(llm: Any) -> None:
     sched = _sched(llm)
-    g = np.random.default_rng(seed)
-    gaps = g.exponential(1.0 / rate, size=len(trace)) if rate else np.zeros(len(trace))
-    arrivals = np.cumsum(gaps) - (gaps[0] if len(gaps) else 0.0)
-    res = RunResult()
-    t0 = time.perf_counter()
-    arrived: dict[str, float] = {}
-    nxt = 0
-    stats0 = dict(getattr(sched, "vtoken_stats", {}) or {})
-    while nxt < len(trace) or eng.has_unfinished_requests():
-        now = time.perf_counter() - t0
-        while nxt < len(trace) and arrivals[nxt] <= now:
-            p, m = trace[nxt]
-            rid = f"t{nxt}"
-            eng.add_request(rid, TokensPrompt(prompt_token_ids=p),
-                            SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True))
-            arrived[rid] = t0 + arrivals[nxt]
-            nxt += 1
-        if not eng.has_unfinished_requests():
-            time.sleep(max(0.0, arrivals[nxt] - (time.perf_counter() - t0)))
-            continue
-        outs = eng.step()
-        res.max_running = max(res.max_running, len(sched.running))
-        mgr = sched.kv_cache_manager.coordinator.single_type_managers[0]
+    sched._bench_probe = Probe()
+    orig = sched.schedule
+    mgr = sched.kv_cache_manager.coordinator.single_type_managers[0]
+
+    def schedule(*a: Any, **kw: Any) -> Any:
+        out = orig(*a, **kw)
+        p: Probe = sched._bench_probe
+        p.steps += 1
+        p.max_running = max(p.max_running, len(sched.running))
+        p.preemptions += len(getattr(out, "preempted_req_ids", None) or ())
         for req in sched.running:
             held = len(mgr.req_to_blocks.get(req.request_id, ()))
-            res.peak_blocks[req.request_id] = max(res.peak_blocks.get(req.request_id, 0), held)
-        t = time.perf_counter()
-        for o in outs:
-            if o.finished:
-                res.latencies.append(t - arrived[o.request_id])
-                res.output_tokens += len(o.outputs[0].token_ids)
-    res.seconds = time.perf_counter() - t0
-    res.preemptions = int(getattr(sched, "num_preemptions", 0) or 0)
-    st = getattr(sched, "vtoken_stats", None)
-    if st:
-        res.blocks_freed = int(st.get("blocks_freed", 0)) - int(stats0.get("blocks_freed", 0))
-    return res
+            if held > p.peak_blocks.get(req.request_id, 0):
+                p.peak_blocks[req.request_id] = held
+        return out
+
+    sched.schedule = schedule
 
 
-def guaranteed_concurrency(res: RunResult, kv_blocks: int) -> int:
-    """Requests of the trace that fit together with no preemption at any point of their lives:
-    ``floor(KV blocks / mean per-request peak held blocks)`` (the footprint the scheduler must plan for)."""
-    if not res.peak_blocks:
-        return 0
-    mean_peak = sum(res.peak_blocks.values()) / len(res.peak_blocks)
-    return int(kv_blocks // mean_peak)
+def build_engine(model_dir: str, cfg: ServeConfig, plugin: dict[str, Any] | None, max_num_seqs: int) -> Any:
+    _set_env()
+    from vllm import LLM
+
+    from vtoken_runtime.vllm_plugin import vllm_engine_args
+
+    assert cfg.kv_blocks is not None and cfg.max_model_len is not None
+    args: dict[str, Any] = dict(model=model_dir, dtype="float32", max_model_len=cfg.max_model_len,
+                                block_size=cfg.block_size, enforce_eager=True, seed=0,
+                                kv_cache_memory_bytes=kv_bytes(model_dir, cfg.kv_blocks, cfg.block_size),
+                                max_num_seqs=max_num_seqs, enable_prefix_caching=False,
+                                enable_chunked_prefill=True,
+                                max_num_batched_tokens=max(cfg.step_tokens or cfg.chunk_tokens, cfg.chunk_tokens),
+                                long_prefill_token_threshold=cfg.chunk_tokens)
+    if plugin is not None:
+        args.update(vllm_engine_args(**plugin))
+    llm = LLM(**args)
+    _instrument(llm)
+    return llm
 
 
 def _free(llm: Any) -> None:
@@ -187,102 +515,501 @@ def _free(llm: Any) -> None:
     gc.collect()
 
 
-def sla_throughput(llm: Any, trace: list[tuple[list[int], int]], rates: tuple[float, ...], slo: float) -> tuple[float, float]:
-    """``(highest rate meeting p95 <= slo, p95 at that rate)``; 0 if even the lowest rate misses it."""
-    best, best_p95 = 0.0, float("nan")
-    for r in rates:
-        res = run_trace(llm, trace, rate=r, seed=1)
-        if res.p95 <= slo:
-            best, best_p95 = r, res.p95
-        else:
-            break
-    return best, best_p95
+@dataclass
+class RunResult:
+    seconds: float = 0.0
+    cpu_seconds: float = 0.0  # this process's CPU time: what another job on the machine cannot inflate
+    output_tokens: int = 0
+    ttft: list[float | None] = field(default_factory=list)  # per request in trace order (None: no token)
+    tpot: list[float | None] = field(default_factory=list)  # None: not finished
+    probe: Probe = field(default_factory=Probe)
+    blocks_freed: int = 0
+    aborted: bool = False
+
+    @property
+    def tok_s(self) -> float:
+        return self.output_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def mean_peak_blocks(self) -> float:
+        pk = self.probe.peak_blocks
+        return sum(pk.values()) / len(pk) if pk else 0.0
+
+    def guaranteed_concurrency(self, kv_blocks: int) -> int:
+        """Requests like these that fit together for their whole lives, with no preemption:
+        ``floor(kv_blocks / mean per-request peak blocks)``."""
+        m = self.mean_peak_blocks
+        return int(kv_blocks // m) if m > 0 else 0
 
 
-def run_serve_benchmark(cfg: ServeConfig, log: Any = print) -> dict[str, Any]:
-    """Everything the CLI prints; the JSON schema of the issue plus details."""
+_RUN_IDS = iter(range(10**9))
+
+
+def run_trace(llm: Any, trace: Trace, arrivals: np.ndarray | None = None,
+              slo: tuple[float, float] | None = None, max_misses: int | None = None,
+              clock: str = "wall") -> RunResult:
+    """Drive ``llm.llm_engine.step()`` over ``trace``: request ``i`` is added once ``arrivals[i]`` has passed
+    on ``clock`` (see :class:`ServingClock`; None: everything at t=0, a closed loop). TTFT and TPOT are
+    read on the same clock. With ``slo=(ttft_s, tpot_s)`` and ``max_misses``, the run stops (aborting what
+    is left) as soon as more than ``max_misses`` requests have certainly missed."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    eng = llm.llm_engine
+    sched = _sched(llm)
+    sched._bench_probe = probe = Probe()
+    run_id = next(_RUN_IDS)
+    n = len(trace)
+    arr = np.zeros(n) if arrivals is None else np.asarray(arrivals, dtype=float)
+    res = RunResult(probe=probe, ttft=[None] * n, tpot=[None] * n)
+    first: list[float | None] = [None] * n
+    index: dict[str, int] = {}
+    missed: set[int] = set()
+    freed0 = int((getattr(sched, "vtoken_stats", None) or {}).get("blocks_freed", 0))
+    nxt = 0
+    c0 = time.process_time()
+    t0 = time.perf_counter()
+    clk = ServingClock(clock)
+    while nxt < n or eng.has_unfinished_requests():
+        now = clk.now()
+        while nxt < n and arr[nxt] <= now:
+            p, m = trace[nxt]
+            rid = f"r{run_id}-{nxt}"
+            index[rid] = nxt
+            eng.add_request(rid, TokensPrompt(prompt_token_ids=p),
+                            SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True))
+            nxt += 1
+        if not eng.has_unfinished_requests():
+            clk.wait_until(float(arr[nxt]))
+            continue
+        outs = eng.step()
+        t = clk.now()
+        for o in outs:
+            i = index.get(o.request_id)
+            if i is None:
+                continue
+            k = len(o.outputs[0].token_ids) if o.outputs else 0
+            if k and first[i] is None:
+                first[i] = t
+                res.ttft[i] = t - arr[i]
+            if o.finished:
+                res.output_tokens += k
+                if first[i] is not None:
+                    res.tpot[i] = tpot_of(first[i], t, k)
+        if slo is not None and max_misses is not None:
+            for i in range(nxt):
+                if i in missed:
+                    continue
+                if first[i] is None:
+                    late = t - arr[i] > slo[0]
+                else:
+                    late = res.tpot[i] is None and t - first[i] > slo[1] * max(1, trace[i][1] - 1)
+                    late = late or (res.tpot[i] is not None and not meets_slo(res.ttft[i], res.tpot[i], *slo))
+                if late:
+                    missed.add(i)
+            if len(missed) > max_misses:
+                eng.abort_request([r for r, i in index.items() if res.tpot[i] is None])
+                res.aborted = True
+                while eng.has_unfinished_requests():  # nothing should be left; never leak into the next run
+                    eng.step()
+                break
+    res.seconds = time.perf_counter() - t0
+    res.cpu_seconds = time.process_time() - c0
+    res.blocks_freed = int((getattr(sched, "vtoken_stats", None) or {}).get("blocks_freed", 0)) - freed0
+    return res
+
+
+def run_lockstep(llms: dict[str, Any], trace: Trace) -> dict[str, RunResult]:
+    """The closed loop ``trace`` on every engine of ``llms`` at once, one ``step()`` of each in turn (in the
+    dict's order): A B C A B C ... at step granularity, so a change of load on the machine hits every
+    engine alike. Per engine a :class:`RunResult` whose ``seconds`` / ``cpu_seconds`` are summed over its
+    own steps (its end-to-end time had it run alone), with its scheduler probe (running peak, per-request
+    peak blocks) and the blocks its eviction freed."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    run_id = next(_RUN_IDS)
+    res: dict[str, RunResult] = {}
+    freed0: dict[str, int] = {}
+    for k, llm in llms.items():
+        sched = _sched(llm)
+        sched._bench_probe = probe = Probe()
+        res[k] = RunResult(probe=probe)
+        freed0[k] = int((getattr(sched, "vtoken_stats", None) or {}).get("blocks_freed", 0))
+        for i, (p, m) in enumerate(trace):
+            llm.llm_engine.add_request(f"l{run_id}-{k}-{i}", TokensPrompt(prompt_token_ids=p),
+                                       SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True))
+    live = list(llms)
+    while live:
+        for k in list(live):
+            eng = llms[k].llm_engine
+            if not eng.has_unfinished_requests():
+                live.remove(k)
+                continue
+            c0, t0 = time.process_time(), time.perf_counter()
+            outs = eng.step()
+            r = res[k]
+            r.seconds += time.perf_counter() - t0
+            r.cpu_seconds += time.process_time() - c0
+            r.output_tokens += sum(len(o.outputs[0].token_ids) for o in outs if o.finished and o.outputs)
+    for k, llm in llms.items():
+        sched = _sched(llm)
+        res[k].blocks_freed = int((getattr(sched, "vtoken_stats", None) or {}).get("blocks_freed", 0)) - freed0[k]
+    return res
+
+
+def stats_seconds(llm: Any) -> float | None:
+    """Seconds the plugin's statistics collector has spent so far (None: vanilla / no statistics)."""
+    try:
+        col = _runner(llm)._vt_collector
+    except AttributeError:
+        return None
+    return None if col is None else float(col.seconds)
+
+
+def stats_backend(llm: Any) -> str | None:
+    try:
+        col = _runner(llm)._vt_collector
+    except AttributeError:
+        return None
+    return None if col is None else str(getattr(col, "backend", "torch"))
+
+
+def _warm(llm: Any, trace: Trace) -> None:
+    run_trace(llm, [(trace[0][0][:64], 2)])
+
+
+# ============================================================================ the benchmark
+def unloaded(llm: Any, trace: Trace, clock: str = "wall") -> tuple[list[float], list[float]]:
+    """TTFTs and TPOTs of the requests run one at a time."""
+    tt: list[float] = []
+    tp: list[float] = []
+    for item in trace:
+        r = run_trace(llm, [item], clock=clock)
+        assert r.ttft[0] is not None and r.tpot[0] is not None
+        tt.append(r.ttft[0])
+        tp.append(r.tpot[0])
+    return tt, tp
+
+
+def goodput_for(llm: Any, cfg: ServeConfig, trace: Trace, unloaded_trace: Trace, slo: tuple[float, float],
+                start: float, log: Callable[[str], None], label: str,
+                unloaded_runs: tuple[list[float], list[float]] | None = None,
+                ref: float | None = None) -> dict[str, Any]:
+    """Unloaded attainment first (below the target: goodput 0, no search), then :func:`search_goodput`.
+    ``unloaded_runs``: this engine's unloaded TTFTs and TPOTs if already measured; ``ref``: vanilla's
+    goodput, where the ladder then starts (every rate vanilla probed lies on the row's grid too, so
+    vanilla and the rows are compared at identical rates and arrival times)."""
+    tt, tp = unloaded_runs or unloaded(llm, unloaded_trace, cfg.clock)
+    a0 = attainment(tt, tp, *slo)
+    e2e = float(np.mean(tt)) + (float(np.mean([m for _, m in trace])) - 1.0) * float(np.mean(tp))
+    out: dict[str, Any] = {"unloaded_attainment": round(a0, 3), "unloaded_ttft_s": round(float(np.mean(tt)), 3),
+                           "unloaded_tpot_s": round(float(np.mean(tp)), 4), "unloaded_e2e_s": round(e2e, 3),
+                           "start_rps": round(start, 4), "probes": []}
+    if a0 < cfg.slo_attainment:
+        log(f"  {label}: misses the SLOs unloaded (attainment {a0:.2f}, TTFT {np.mean(tt):.2f}s, "
+            f"TPOT {1e3 * np.mean(tp):.0f}ms): goodput 0")
+        out.update(goodput_rps=0.0, bracket=[0.0, None], saturated=False)
+        return out
+    arrivals = poisson_arrivals(len(trace), 1.0)
+    misses = allowed_misses(len(trace), cfg.slo_attainment)
+    # below this rate requests rarely overlap (offered load rate x unloaded latency < 0.25): a miss there
+    # is the engine's own latency, and the run would take longer than it tells
+    floor = 0.25 / e2e
+    out["floor_rps"] = round(floor, 4)
+    if ref:  # start at vanilla's goodput: rows are probed on vanilla's grid of rates (same arrivals)
+        start = ref
+        out["start_rps"] = round(start, 4)
+
+    def run(rate: float) -> float:
+        r = run_trace(llm, trace, arrivals / rate, slo=slo, max_misses=misses, clock=cfg.clock)
+        a = attainment(r.ttft, r.tpot, *slo)
+        done_tt = [x for x in r.ttft if x is not None]
+        done_tp = [x for x in r.tpot if x is not None]
+        out["probes"].append({"rate_rps": round(rate, 4), "attainment": round(a, 3), "aborted": r.aborted,
+                              "seconds": round(r.seconds, 1),
+                              "ttft_p90_s": round(float(np.percentile(done_tt, 90)), 3) if done_tt else None,
+                              "tpot_p90_s": round(float(np.percentile(done_tp, 90)), 4) if done_tp else None})
+        log(f"  {label}: rate {rate:.3f} rps -> attainment {a:.2f}{' (stopped early)' if r.aborted else ''} "
+            f"[{r.seconds:.0f}s]")
+        return a
+
+    s = search_goodput(run, start, cfg.slo_attainment, factor=cfg.rate_factor, max_ladder=cfg.max_ladder,
+                       bisect_steps=cfg.bisect_steps, min_rate=floor)
+    out.update(goodput_rps=round(s.goodput, 4), bracket=[round(s.bracket[0], 4),
+               None if s.bracket[1] is None else round(s.bracket[1], 4)], saturated=s.saturated)
+    return out
+
+
+def _wants_goodput(cfg: ServeConfig, mode: str, policy: str, ratio: float) -> bool:
+    if mode == "vanilla":
+        return True
+    keys = cfg.goodput_keys()
+    return keys is None or (mode, policy, round(ratio, 6)) in keys
+
+
+def _row(mode: str, policy: str, ratio: float, res: RunResult, kv_blocks: int,
+         stats_s: float | None) -> dict[str, Any]:
+    return {"mode": mode, "policy": policy, "eviction_ratio": ratio, "max_concurrency": res.probe.max_running,
+            "guaranteed_concurrency": res.guaranteed_concurrency(kv_blocks),
+            "mean_peak_blocks": round(res.mean_peak_blocks, 2), "preemptions": res.probe.preemptions,
+            "closed_loop_tok_s": round(res.tok_s, 2), "closed_loop_s": round(res.seconds, 1),
+            "closed_loop_tok_s_cpu": round(res.output_tokens / res.cpu_seconds, 2) if res.cpu_seconds > 0 else None,
+            "blocks_freed": res.blocks_freed, "stats_s": None if stats_s is None else round(stats_s, 1),
+            "goodput_rps": None}
+
+
+def _single_row(model_dir: str, cfg: ServeConfig, trace: Trace, key: tuple[str, str, float],
+                plugin_of: Callable[[str, float, str], dict[str, Any]], llm: Any = None
+                ) -> tuple[dict[str, Any], str | None]:
+    """One configuration's row from one closed-loop run of ``trace`` (``llm``: an engine to reuse, else one
+    is built and freed)."""
+    mode, pol, r = key
+    own = llm is None
+    if own:
+        llm = build_engine(model_dir, cfg, None if mode == "vanilla" else plugin_of(pol, r, mode),
+                           max_num_seqs=len(trace))
+        _warm(llm, trace)
+    s0 = stats_seconds(llm)
+    res = run_trace(llm, trace)
+    s1 = stats_seconds(llm)
+    backend = stats_backend(llm)
+    if own:
+        _free(llm)
+    return _row(mode, pol, r, res, cfg.kv_blocks or 0, None if s0 is None or s1 is None else s1 - s0), backend
+
+
+def _row_job(cfg: ServeConfig, model_dir: str, key: tuple[str, str, float]) -> tuple[dict[str, Any], str | None]:
+    """Worker-process entry: build the trace and one engine, run the trace once (see :func:`_single_row`)."""
+    _set_env()
+    trace = make_trace(model_dir, cfg)
+
+    def plugin_of(pol: str, r: float, mode: str) -> dict[str, Any]:
+        return {"policy": pol, "mode": MODES[mode], "eviction_ratio": r, "when": cfg.when, "slack": cfg.slack}
+
+    return _single_row(model_dir, cfg, trace, key, plugin_of)
+
+
+def run_rows_parallel(cfg: ServeConfig, model_dir: str, keys: Sequence[tuple[str, str, float]],
+                      plugin_of: Callable[..., Any]) -> list[tuple[dict[str, Any], str | None]]:
+    """The rows of ``keys`` from ``cfg.workers`` spawned processes, one fresh process per configuration
+    (an in-process vLLM engine cannot be freed while another lives, and a fresh process starts each run
+    alike). The counts do not depend on timing; each row's tokens/s is a single run next to another."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    del plugin_of  # the workers rebuild it from cfg (closures do not pickle)
+    with ProcessPoolExecutor(max_workers=cfg.workers, mp_context=mp.get_context("spawn"),
+                             max_tasks_per_child=1) as ex:
+        futs = [ex.submit(_row_job, cfg, model_dir, k) for k in keys]
+        return [f.result() for f in futs]
+
+
+def run_serve_benchmark(cfg: ServeConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Everything the CLI prints (the JSON report)."""
+    cfg.validate()
     _set_env()
     from vtoken_bench.models import smollm2_path
 
+    t_start, c_start = time.perf_counter(), time.process_time()
     model_dir = cfg.model or str(smollm2_path())
     trace = make_trace(model_dir, cfg)
-    sla_trace = trace[: cfg.sla_requests]
     n = len(trace)
-    rows: list[dict[str, Any]] = []
-    t_start = time.perf_counter()
+    if cfg.kv_blocks is None:
+        cfg.kv_blocks = default_kv_blocks(trace, cfg.block_size, cfg.vanilla_target)
+    if cfg.max_model_len is None:
+        longest = max(len(p) + m for p, m in trace)
+        cfg.max_model_len = -(-longest // cfg.block_size) * cfg.block_size
+    gp_trace = [trace[i % n] for i in range(cfg.goodput_requests)]
+    un_trace = trace[: cfg.unloaded_requests]
+    n_oh = fitting_prefix(trace, cfg.block_size, cfg.kv_blocks, cfg.overhead_requests)
+    oh_trace = trace[:n_oh]
+    el = lambda: f"[{time.perf_counter() - t_start:.0f}s]"  # noqa: E731
+    log(f"trace: {n} requests, prompts {cfg.prompt_tokens} (mean {np.mean([len(p) for p, _ in trace]):.0f}), "
+        f"outputs {cfg.output_tokens}; KV budget {cfg.kv_blocks} blocks of {cfg.block_size}; when={cfg.when}")
 
-    # vanilla: concurrency, low-load p95 (the SLO reference), SLA throughput
-    llm = build_engine(model_dir, cfg, None, max_num_seqs=n)
-    run_trace(llm, trace[:2])  # warm-up
-    van = run_trace(llm, trace)
-    low = RunResult()  # low load: one request at a time
-    for item in sla_trace:
-        low.latencies += run_trace(llm, [item]).latencies
-    slo = cfg.slo_factor * low.p95
-    van_sla, van_sla_p95 = sla_throughput(llm, sla_trace, cfg.sla_rates, slo)
-    _free(llm)
-    log(f"vanilla: max_concurrency={van.max_running} tok/s={van.tok_s:.1f} low-load p95={low.p95:.2f}s "
-        f"SLA={van_sla} rps  [{time.perf_counter() - t_start:.0f}s]")
-    rows.append({"mode": "vanilla", "policy": "none", "eviction_ratio": 0.0, "max_concurrency": van.max_running,
-                 "guaranteed_concurrency": guaranteed_concurrency(van, cfg.kv_blocks),
-                 "mean_peak_blocks": round(sum(van.peak_blocks.values()) / max(1, len(van.peak_blocks)), 2),
-                 "sla_throughput_rps": van_sla, "p95_latency_s": round(van_sla_p95, 3) if van_sla else None,
-                 "closed_loop_tok_s": round(van.tok_s, 2), "blocks_freed": 0})
+    # (a) concurrency rows. Vanilla and vToken H2O at 0.5 run ``tp_trace`` (the first
+    # ``throughput_requests``) in lockstep (one engine step each in turn, the order alternating per round)
+    # for ``throughput_rounds`` rounds: their closed-loop tokens/s are compared (does the memory eviction
+    # frees turn into throughput?), so they are measured side by side. Every configuration's counts come
+    # from one run of the whole trace (they do not depend on timing): when ``tp_trace`` is the whole trace,
+    # the lockstep's first round gives vanilla's and H2O 0.5's rows; the other rows run once each, in
+    # ``workers`` processes side by side (their tokens/s are single runs, not compared).
+    def plugin_of(pol: str, r: float, mode: str) -> dict[str, Any]:
+        return {"policy": pol, "mode": MODES[mode], "eviction_ratio": r, "when": cfg.when, "slack": cfg.slack}
 
-    for pol in cfg.policies:
-        for r in cfg.ratios:
-            for mode, label in (("naive", "naive"), ("compact", "vtoken")):
-                llm = build_engine(model_dir, cfg, {"policy": pol, "mode": mode, "eviction_ratio": r}, max_num_seqs=n)
-                res = run_trace(llm, trace)
-                sla, p95 = None, None
-                if cfg.sla_modes == "all" or (abs(r - 0.5) < 1e-9 and pol == "h2o"):
-                    sla, p95 = sla_throughput(llm, sla_trace, cfg.sla_rates, slo)
-                _free(llm)
-                rows.append({"mode": label, "policy": pol, "eviction_ratio": r, "max_concurrency": res.max_running,
-                             "guaranteed_concurrency": guaranteed_concurrency(res, cfg.kv_blocks),
-                             "mean_peak_blocks": round(sum(res.peak_blocks.values()) / max(1, len(res.peak_blocks)), 2),
-                             "sla_throughput_rps": sla,
-                             "p95_latency_s": round(p95, 3) if sla else None,
-                             "closed_loop_tok_s": round(res.tok_s, 2), "blocks_freed": res.blocks_freed})
-                log(f"{label:7s} {pol:12s} r={r}: max_concurrency={res.max_running} tok/s={res.tok_s:.1f} "
-                    f"SLA={sla} [{time.perf_counter() - t_start:.0f}s]")
+    van = build_engine(model_dir, cfg, None, max_num_seqs=n)
+    _warm(van, trace)
+    pair = ("vtoken", "h2o", 0.5)
+    has_pair = "vtoken" in cfg.modes and "h2o" in cfg.policies and any(math.isclose(r, 0.5) for r in cfg.ratios)
+    tp_trace = trace[: cfg.throughput_requests] if cfg.throughput_requests else trace
+    pair_llm = None
+    throughput: dict[str, Any] | None = None
+    backend = None
+    rows_by: dict[tuple[str, str, float], dict[str, Any]] = {}
+    if has_pair:
+        pair_llm = build_engine(model_dir, cfg, plugin_of("h2o", 0.5, "vtoken"), max_num_seqs=n)
+        _warm(pair_llm, trace)
+        runs: dict[str, list[RunResult]] = {"vanilla": [], "h2o": []}
+        s0 = stats_seconds(pair_llm)
+        for rnd, order in enumerate(pair_order("vanilla", "h2o", cfg.throughput_rounds)):
+            got = run_lockstep({k: {"vanilla": van, "h2o": pair_llm}[k] for k in order}, tp_trace)
+            for k in order:
+                runs[k].append(got[k])
+            log(f"closed loop, round {rnd + 1}: vanilla {got['vanilla'].tok_s:.1f} tok/s (running peak "
+                f"{got['vanilla'].probe.max_running}), vToken H2O 0.5 {got['h2o'].tok_s:.1f} tok/s (running peak "
+                f"{got['h2o'].probe.max_running}) {el()}")
+        s1 = stats_seconds(pair_llm)
+        backend = stats_backend(pair_llm)
+        throughput = summarize_throughput(runs["vanilla"], runs["h2o"])
+        throughput.update(rounds=cfg.throughput_rounds, requests=len(tp_trace), policy="h2o", eviction_ratio=0.5,
+                          mode="vtoken", slack=cfg.slack)
+        log(f"throughput: vToken H2O 0.5 / vanilla = {throughput['ratio']}x {throughput['ratio_spread']} {el()}")
+        if len(tp_trace) == n:
+            rows_by[("vanilla", "none", 0.0)] = _row("vanilla", "none", 0.0, runs["vanilla"][0], cfg.kv_blocks, None)
+            rows_by[pair] = _row(*pair, runs["h2o"][0], cfg.kv_blocks,
+                                 None if s0 is None or s1 is None else (s1 - s0) / cfg.throughput_rounds)
+            for key, name in ((("vanilla", "none", 0.0), "vanilla"), (pair, "vtoken")):
+                rows_by[key].update(closed_loop_tok_s=throughput[f"{name}_tok_s"],
+                                    closed_loop_tok_s_spread=throughput[f"{name}_tok_s_spread"])
+    # (b) goodput: SLOs from vanilla's unloaded requests. vLLM's in-process engines share the process's
+    # parallel groups and freeing any engine tears them down: an engine is never used after a later one
+    # was freed (vanilla and the pair run first, every other engine is built, used and freed in turn)
+    tt, tp = unloaded(van, un_trace, cfg.clock)
+    ref_ttft, ref_tpot = float(np.mean(tt)), float(np.mean(tp))
+    slo = (cfg.ttft_slo_factor * ref_ttft, cfg.tpot_slo_factor * ref_tpot)
+    log(f"SLOs: TTFT {slo[0]:.2f}s ({cfg.ttft_slo_factor}x {ref_ttft:.2f}s), TPOT {1e3 * slo[1]:.0f}ms "
+        f"({cfg.tpot_slo_factor}x {1e3 * ref_tpot:.1f}ms) {el()}")
+    start = 1.0 / ref_ttft  # vanilla's ladder starts at its prefill-bound capacity
+    g = goodput_for(van, cfg, gp_trace, un_trace, slo, start, log, "vanilla", unloaded_runs=(tt, tp))
+    goodput_done: dict[tuple[str, str, float], dict[str, Any]] = {("vanilla", "none", 0.0): g}
+    van_gp: float | None = g["goodput_rps"]
+    log(f"vanilla: goodput {van_gp} rps {el()}")
+    if pair_llm is not None and _wants_goodput(cfg, *pair):
+        goodput_done[pair] = goodput_for(pair_llm, cfg, gp_trace, un_trace, slo, start, log, "vtoken h2o 0.5",
+                                         ref=van_gp)
+        log(f"vtoken h2o 0.5: goodput {goodput_done[pair]['goodput_rps']} rps {el()}")
 
-    # overhead: plugin with policy none vs vanilla, interleaved, best of each
-    van_best = plug_best = 0.0
-    ind_ms = step_ms = None
-    for _ in range(cfg.overhead_repeats):
-        for plugin in (None, {"policy": "none"}):
-            llm = build_engine(model_dir, cfg, plugin, max_num_seqs=n)
-            run_trace(llm, trace[:2])
-            if plugin is not None:
-                c = _runner(llm).vtoken_counters  # a snapshot: read again after the run
-                s0, p0 = c["steps"], c["prepare_seconds"]
-            res = run_trace(llm, trace)
-            if plugin is not None:
-                c = _runner(llm).vtoken_counters
-            if plugin is not None and c["steps"] > s0:
-                ind_ms = round(1e3 * (c["prepare_seconds"] - p0) / (c["steps"] - s0), 4)
-                step_ms = round(1e3 * res.seconds / (c["steps"] - s0), 2)
+    # (a, continued) the rows the lockstep did not measure
+    todo = [k for k in [("vanilla", "none", 0.0)] + [(m, p, r) for p in cfg.policies for r in cfg.ratios
+                                                      for m in cfg.modes] if k not in rows_by]
+    if cfg.workers > 1 and len(todo) > 1:
+        log(f"{len(todo)} configurations, {cfg.workers} worker processes side by side {el()}")
+        for key, (row, bk) in zip(todo, run_rows_parallel(cfg, model_dir, todo, plugin_of), strict=True):
+            rows_by[key] = row
+            backend = backend or bk
+            log(f"{key[0]} {key[1]} {key[2]}: running peak {row['max_concurrency']}, guaranteed "
+                f"{row['guaranteed_concurrency']}, preemptions {row['preemptions']}")
+    else:
+        for key in todo:
+            rows_by[key], bk = _single_row(model_dir, cfg, trace, key, plugin_of)
+            backend = backend or bk
+            log(f"{key[0]} {key[1]} {key[2]}: running peak {rows_by[key]['max_concurrency']}, guaranteed "
+                f"{rows_by[key]['guaranteed_concurrency']}, {rows_by[key]['closed_loop_tok_s']:.1f} tok/s closed "
+                f"loop {el()}")
+    rows = [rows_by[("vanilla", "none", 0.0)]] + [rows_by[(m, p, r)] for p in cfg.policies for r in cfg.ratios
+                                                  for m in cfg.modes]
+    for row in rows:
+        row["closed_loop_measure"] = ("lockstep median" if "closed_loop_tok_s_spread" in row
+                                      else f"single run{', worker process' if cfg.workers > 1 else ''}")
+    for row in rows:
+        key = (row["mode"], row["policy"], row["eviction_ratio"])
+        if not _wants_goodput(cfg, *key):
+            continue
+        if key not in goodput_done:
+            llm = build_engine(model_dir, cfg, plugin_of(key[1], key[2], key[0]), max_num_seqs=n)
+            _warm(llm, trace)
+            goodput_done[key] = goodput_for(llm, cfg, gp_trace, un_trace, slo, start, log,
+                                            f"{key[0]} {key[1]} {key[2]}", ref=van_gp)
+            log(f"{key[0]} {key[1]} {key[2]}: goodput {goodput_done[key]['goodput_rps']} rps {el()}")
             _free(llm)
-            if plugin is None:
-                van_best = max(van_best, res.tok_s)
-            else:
-                plug_best = max(plug_best, res.tok_s)
-    overhead = {"vanilla_tok_s": round(van_best, 2), "plugin_none_tok_s": round(plug_best, 2),
-                "overhead_pct": round(100.0 * (1.0 - plug_best / van_best), 2) if van_best else None,
-                "indirection_ms_per_step": ind_ms, "step_ms": step_ms,
-                "indirection_pct_of_step": round(100.0 * ind_ms / step_ms, 3) if ind_ms and step_ms else None}
-    log(f"overhead: vanilla {van_best:.1f} tok/s, plugin+none {plug_best:.1f} tok/s")
-    return {"rows": rows, "overhead": overhead,
-            "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.__dict__.items()},
-            "kv_cache_memory_bytes": kv_bytes(model_dir, cfg.kv_blocks, cfg.block_size),
-            "slo_p95_s": round(slo, 3), "seconds": round(time.perf_counter() - t_start, 1)}
+        row.update(goodput_rps=goodput_done[key]["goodput_rps"], goodput_search=goodput_done[key])
+    if pair_llm is not None:
+        _free(pair_llm)
+
+    _free(van)
+    keep: dict[str, Any] = {}
+    specs: dict[str, dict[str, Any] | None] = {
+        "vanilla": None, "none": {"policy": "none", "eviction_ratio": 0.5, "when": cfg.when}, "vanilla_b": None,
+        "h2o": plugin_of("h2o", 0.5, "vtoken")}
+    wall: dict[str, list[float]] = {k: [] for k in (*specs, "none_alone")}
+    cpu: dict[str, list[float]] = {k: [] for k in (*specs, "none_alone")}
+    none_steps, tokens, ind_s, ind_steps = 0, 0, 0.0, 0
+    trio = ("vanilla", "none", "vanilla_b")
+    for rnd, (order, pair, build) in enumerate(zip(interleaved_order(trio, cfg.rounds),
+                                                   pair_order("none", "h2o", cfg.rounds),
+                                                   interleaved_order(tuple(specs), cfg.rounds), strict=True)):
+        if cfg.rebuild or not keep:
+            for llm in keep.values():
+                _free(llm)
+            keep = {}
+            for name in build:
+                keep[name] = build_engine(model_dir, cfg, specs[name], max_num_seqs=n)
+                _warm(keep[name], trace)
+        # overhead: the three statistics-free engines in lockstep (similar steps, so none of them leaves
+        # the caches colder for its successor than the others do)
+        c0 = _runner(keep["none"]).vtoken_counters
+        got = run_lockstep({k: keep[k] for k in order}, oh_trace)
+        c1 = _runner(keep["none"]).vtoken_counters
+        ind_s += c1["prepare_seconds"] - c0["prepare_seconds"]
+        ind_steps += int(c1["steps"] - c0["steps"])
+        for name in order:
+            g = got[name]
+            wall[name].append(g.seconds)
+            cpu[name].append(g.cpu_seconds)
+            tokens = g.output_tokens
+            if name == "none":
+                none_steps += g.probe.steps
+        # statistics cost: policy none and H2O, each running the trace alone, ABBA order over rounds
+        for name in pair:
+            res = run_trace(keep[name], oh_trace)
+            key = "none_alone" if name == "none" else name
+            wall[key].append(res.seconds)
+            cpu[key].append(res.cpu_seconds)
+        log(f"round {rnd + 1}: " + ", ".join(f"{k} {wall[k][-1]:.2f}s (cpu {cpu[k][-1]:.2f}s)"
+                                             for k in (*order, "none_alone", "h2o")) + f" {el()}")
+    for llm in keep.values():
+        _free(llm)
+    overhead, stats_cost = summarize_interleaved(wall, cpu, tokens, stats_ref="none_alone")
+    ind_ms = 1e3 * ind_s / max(1, ind_steps)
+    step_ms = 1e3 * sum(wall["none"]) / max(1, none_steps)
+    overhead.update(indirection_ms_per_step=round(ind_ms, 4), step_ms=round(step_ms, 2),
+                    indirection_pct_of_step=round(100.0 * ind_ms / step_ms, 3) if step_ms else None,
+                    rounds=cfg.rounds, rebuilt_per_round=cfg.rebuild, requests=n_oh, output_tokens=tokens)
+    stats_cost.update(policy="h2o", eviction_ratio=0.5, mode="vtoken", when=cfg.when, slack=cfg.slack,
+                      rounds=cfg.rounds, requests=n_oh)
+    log(f"overhead {overhead['overhead_pct']}% {overhead['overhead_pct_spread']}; H2O/none "
+        f"{stats_cost['ratio']}x {stats_cost['ratio_spread']} {el()}")
+
+    van_row = rows[0]
+    for row in rows:
+        row["concurrency_gain"] = (round(row["max_concurrency"] / van_row["max_concurrency"], 3)
+                                   if van_row["max_concurrency"] else None)
+        row["guaranteed_gain"] = (round(row["guaranteed_concurrency"] / van_row["guaranteed_concurrency"], 3)
+                                  if van_row["guaranteed_concurrency"] else None)
+        row["goodput_gain"] = (round(row["goodput_rps"] / van_gp, 3) if van_gp and row["goodput_rps"] is not None
+                               else None)
+    config = {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.__dict__.items()}
+    config.update(prompt_tokens_mean=round(float(np.mean([len(p) for p, _ in trace])), 1),
+                  output_tokens_mean=round(float(np.mean([m for _, m in trace])), 1),
+                  ttft_slo_s=round(slo[0], 3), tpot_slo_s=round(slo[1], 4),
+                  unloaded_ttft_s=round(ref_ttft, 3), unloaded_tpot_s=round(ref_tpot, 4),
+                  stats_backend=backend, stats_backend_env=os.environ.get("VTOKEN_STATS_BACKEND"),
+                  kv_cache_memory_bytes=kv_bytes(model_dir, cfg.kv_blocks, cfg.block_size))
+    return {"rows": rows, "throughput": throughput, "overhead": overhead, "stats_cost": stats_cost, "config": config,
+            "kv_cache_memory_bytes": config["kv_cache_memory_bytes"],
+            "seconds": round(time.perf_counter() - t_start, 1),
+            "cpu_seconds": round(time.process_time() - c_start, 1)}
+
+
+def find_row(result: dict[str, Any], mode: str, policy: str, ratio: float) -> dict[str, Any] | None:
+    return next((r for r in result["rows"] if r["mode"] == mode and r["policy"] == policy
+                 and math.isclose(r["eviction_ratio"], ratio)), None)
 
 
 def concurrency_gain(result: dict[str, Any], policy: str, ratio: float) -> float | None:
-    van = next((r for r in result["rows"] if r["mode"] == "vanilla"), None)
-    row = next((r for r in result["rows"] if r["mode"] == "vtoken" and r["policy"] == policy
-                and math.isclose(r["eviction_ratio"], ratio)), None)
+    van = find_row(result, "vanilla", "none", 0.0)
+    row = find_row(result, "vtoken", policy, ratio)
     if not van or not row or not van["max_concurrency"]:
         return None
     return row["max_concurrency"] / van["max_concurrency"]

@@ -15,7 +15,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-out = Console(width=None if sys.stdout.isatty() else 160)
+out = Console(width=None if sys.stdout.isatty() else 180)
 err = Console(stderr=True)
 
 
@@ -26,6 +26,7 @@ def _bench_module() -> Any:
 
 
 def plot_serve(result: dict[str, Any], path: Path) -> None:
+    """Running-peak concurrency vs eviction ratio and goodput vs eviction ratio, vanilla as a line."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -33,23 +34,28 @@ def plot_serve(result: dict[str, Any], path: Path) -> None:
 
     rows = result["rows"]
     van = next(r for r in rows if r["mode"] == "vanilla")
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharex=True)
     for pol in sorted({r["policy"] for r in rows if r["mode"] != "vanilla"}):
         for mode, style in (("vtoken", "-o"), ("naive", "--s")):
-            pts = sorted((r["eviction_ratio"], r["max_concurrency"], r["sla_throughput_rps"]) for r in rows
+            pts = sorted((r["eviction_ratio"], r["max_concurrency"], r.get("goodput_rps")) for r in rows
                          if r["policy"] == pol and r["mode"] == mode)
             if not pts:
                 continue
             axes[0].plot([p[0] for p in pts], [p[1] for p in pts], style, label=f"{mode} {pol}")
-            sla = [(p[0], p[2]) for p in pts if p[2] is not None]
-            if sla:
-                axes[1].plot([p[0] for p in sla], [p[1] for p in sla], style, label=f"{mode} {pol}")
+            gp = [(p[0], p[2]) for p in pts if p[2] is not None]
+            if gp:
+                axes[1].plot([p[0] for p in gp], [p[1] for p in gp], style, label=f"{mode} {pol}")
     axes[0].axhline(van["max_concurrency"], color="k", lw=1, label="vanilla")
-    if van["sla_throughput_rps"] is not None:
-        axes[1].axhline(van["sla_throughput_rps"], color="k", lw=1, label="vanilla")
-    axes[0].set(xlabel="eviction ratio", ylabel="max concurrent requests", title="concurrency at a fixed KV budget")
-    axes[1].set(xlabel="eviction ratio", ylabel="requests/s", title="SLA throughput (p95 <= 1.05x vanilla low load)")
+    if van.get("goodput_rps") is not None:
+        axes[1].axhline(van["goodput_rps"], color="k", lw=1, label="vanilla")
+    c = result["config"]
+    axes[0].set(xlabel="eviction ratio", ylabel="running peak (requests)",
+                title=f"concurrency at a fixed KV budget ({c['kv_blocks']} blocks)")
+    axes[1].set(xlabel="eviction ratio", ylabel="requests/s",
+                title=f"goodput ({c['slo_attainment']:.0%} meet TTFT {c['ttft_slo_s']:.1f}s and "
+                      f"TPOT {1e3 * c['tpot_slo_s']:.0f}ms)")
     for ax in axes:
+        ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
@@ -58,64 +64,157 @@ def plot_serve(result: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def _range(text: str, name: str) -> tuple[int, int]:
+    parts = [int(x) for x in text.split(",")]
+    if len(parts) == 1:
+        parts *= 2
+    if len(parts) != 2:
+        raise ValueError(f"--{name} takes MIN,MAX (or one value), got {text!r}")
+    return parts[0], parts[1]
+
+
+def _fmt(x: Any, spec: str = "g") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def print_report(result: dict[str, Any]) -> None:
+    c = result["config"]
+    (p0, p1), (o0, o1) = c["prompt_tokens"], c["output_tokens"]
+    table = Table(title=f"vLLM serving at a fixed KV budget ({result['kv_cache_memory_bytes'] / 2**20:.0f} MiB = "
+                        f"{c['kv_blocks']} blocks x {c['block_size']} tokens), {c['num_requests']} essay prompts of "
+                        f"{p0}-{p1} tokens (mean {c['prompt_tokens_mean']:.0f}), outputs {o0}-{o1} "
+                        f"(mean {c['output_tokens_mean']:.0f}), eviction when={c['when']}, chunks of {c['chunk_tokens']} "
+                        f"(steps of {c.get('step_tokens') or c['chunk_tokens']} tokens)"
+                        f"{', slack ' + str(c['slack']) if c.get('slack') else ''}")
+    for col in ("mode", "policy", "evict", "running peak", "vs vanilla", "peak blk/req", "guaranteed",
+                "vs vanilla ", "preempt", "closed-loop tok/s", "goodput rps", "vs vanilla  "):
+        table.add_column(col, justify="right")
+    for r in result["rows"]:
+        table.add_row(r["mode"], r["policy"], f"{r['eviction_ratio']:.1f}", str(r["max_concurrency"]),
+                      f"{_fmt(r.get('concurrency_gain'), '.2f')}x", f"{r['mean_peak_blocks']:.1f}",
+                      str(r["guaranteed_concurrency"]), f"{_fmt(r.get('guaranteed_gain'), '.2f')}x",
+                      str(r["preemptions"]), f"{r['closed_loop_tok_s']:.1f}", _fmt(r.get("goodput_rps"), ".3g"),
+                      "-" if r.get("goodput_gain") is None else f"{r['goodput_gain']:.2f}x")
+    out.print(table)
+    o, s, t = result["overhead"], result["stats_cost"], result.get("throughput")
+    if t:
+        out.print(f"closed-loop throughput, {t['rounds']} lockstep rounds of the {t['requests']} requests: vanilla "
+                  f"{t['vanilla_tok_s']} tok/s {_sp(t, 'vanilla_tok_s')}, vToken H2O {t['eviction_ratio']} "
+                  f"{t['vtoken_tok_s']} tok/s {_sp(t, 'vtoken_tok_s')}: {t['ratio']}x {_sp(t, 'ratio')} wall, "
+                  f"{t['ratio_cpu']}x {_sp(t, 'ratio_cpu')} CPU time")
+    out.print(f"SLOs: TTFT <= {c['ttft_slo_s']} s ({c['ttft_slo_factor']}x vanilla unloaded {c['unloaded_ttft_s']} s), "
+              f"TPOT <= {1e3 * c['tpot_slo_s']:.1f} ms ({c['tpot_slo_factor']}x {1e3 * c['unloaded_tpot_s']:.1f} ms), "
+              f"attainment >= {c['slo_attainment']:.0%}, on the {c['clock']} clock")
+    out.print(f"overhead, policy none vs vanilla ({o['rounds']} interleaved rounds of {o['requests']} request(s)"
+              f"{', engines rebuilt every round' if o.get('rebuilt_per_round') else ''}): "
+              f"vanilla {o['vanilla_tok_s']} tok/s {_sp(o, 'vanilla_tok_s')}, plugin {o['plugin_none_tok_s']} tok/s "
+              f"{_sp(o, 'plugin_none_tok_s')}: {_pct(o, 'overhead_pct')} wall, {_pct(o, 'overhead_pct_cpu')} CPU time, "
+              f"{_pct(o, 'overhead_pct_bracketed_cpu')} against the vanilla engines built before and after it; "
+              f"A/A control (two vanilla engines): {_pct(o, 'aa_pct_cpu')}; indirection "
+              f"{o['indirection_ms_per_step']} ms of a {o['step_ms']} ms step")
+    out.print(f"stats cost, H2O ({s['mode']} {s['eviction_ratio']}) vs policy none: {s['h2o_s']} s vs {s['none_s']} s "
+              f"= {s['ratio']}x {_sp(s, 'ratio')} wall, {s['ratio_cpu']}x {_sp(s, 'ratio_cpu')} CPU time "
+              f"(statistics backend: {c.get('stats_backend')})")
+    out.print(f"{result['seconds']} s total ({result.get('cpu_seconds')} s of CPU time); seed paper: 2x max "
+              "concurrency, 1.37x SLA throughput, < 1% overhead")
+
+
+def _sp(d: dict[str, Any], key: str) -> str:
+    sp = d.get(f"{key}_spread") or {}
+    return f"[{sp.get('min')}, {sp.get('max')}]"
+
+
+def _pct(d: dict[str, Any], key: str) -> str:
+    return f"{d.get(key)}% {_sp(d, key)}"
+
+
 def serve(
-    quick: Annotated[bool, typer.Option("--quick", help="small trace and rate ladder (< 5 min on 2 cores)")] = False,
-    policies: Annotated[str, typer.Option(help="comma-separated shipped policies")] = "h2o,scissorhands",
-    ratios: Annotated[str, typer.Option(help="comma-separated eviction ratios")] = "0.3,0.5,0.7",
-    requests: Annotated[int | None, typer.Option(min=2, help="requests in the trace")] = None,
-    prompt_len: Annotated[int | None, typer.Option(min=8, help="prompt tokens per request")] = None,
-    kv_blocks: Annotated[int | None, typer.Option(min=4, help="KV budget in 32-token blocks "
-                                                           "(sets kv_cache_memory_bytes)")] = None,
-    rates: Annotated[str | None, typer.Option(help="comma-separated request rates (req/s) for the SLA sweep")] = None,
-    slo_factor: Annotated[float, typer.Option(min=1.0, help="SLO = this x vanilla p95 at low load (paper: 1.05)")]
-    = 1.05,
+    quick: Annotated[bool, typer.Option("--quick", help="fewer, shorter requests (prompts stay >= 1K tokens), "
+                                                        "vanilla + vToken H2O at 0.5 / 0.7, goodput of vanilla "
+                                                        "and H2O 0.5")] = False,
+    policies: Annotated[str | None, typer.Option(help="comma-separated shipped policies "
+                                                      "(default h2o,scissorhands,streaming_llm; quick: h2o)")] = None,
+    ratios: Annotated[str | None, typer.Option(help="comma-separated eviction ratios (default 0.3,0.5,0.7; "
+                                                    "quick: 0.5,0.7)")] = None,
+    modes: Annotated[str | None, typer.Option(help="comma-separated: naive,vtoken (quick: vtoken)")] = None,
+    when: Annotated[str, typer.Option(help="eviction points of the vToken and Naive-Evict rows: chunks (after "
+                                           "every prefill chunk) or prefill (once the prompt is complete)")]
+    = "chunks",
+    clock: Annotated[str, typer.Option(help="clock of the goodput runs (arrivals, TTFT, TPOT): cpu (this process's "
+                                            "CPU time, idle gaps skipped: other jobs on the machine do not "
+                                            "count) or wall")] = "cpu",
+    requests: Annotated[int | None, typer.Option(min=1, help="requests in the trace")] = None,
+    prompt_tokens: Annotated[str | None, typer.Option(help="MIN,MAX prompt tokens (default 1024,2048)")] = None,
+    output_tokens: Annotated[str | None, typer.Option(help="MIN,MAX output tokens (default 128,256)")] = None,
+    kv_blocks: Annotated[int | None, typer.Option(min=4, help="KV budget in 32-token blocks (default: vanilla "
+                                                           "holds --vanilla-target whole requests)")] = None,
+    vanilla_target: Annotated[float | None, typer.Option(min=1.0, help="requests vanilla holds at once when "
+                                                                       "--kv-blocks is not given")] = None,
+    chunk: Annotated[int | None, typer.Option(min=16, help="a request's prefill chunk (vLLM's "
+                                                         "long_prefill_token_threshold; default 128)")] = None,
+    step_tokens: Annotated[int | None, typer.Option(min=16, help="tokens per engine step (max_num_batched_tokens: "
+                                                                "several requests' chunks share a step, but vLLM "
+                                                                "then over-admits and preempts; default: --chunk)")]
+    = None,
+    ttft_slo_factor: Annotated[float, typer.Option(min=1.0, help="TTFT SLO = this x vanilla's unloaded mean TTFT")]
+    = 5.0,
+    tpot_slo_factor: Annotated[float, typer.Option(min=1.0, help="TPOT SLO = this x vanilla's unloaded mean TPOT")]
+    = 3.0,
+    slo_attainment: Annotated[float, typer.Option(min=0.01, max=1.0, help="fraction of requests that must meet "
+                                                                          "both SLOs")] = 0.9,
+    goodput_rows: Annotated[str | None, typer.Option(help="rows whose goodput is searched besides vanilla's: "
+                                                          "POLICY@RATIO[,...] (naive:POLICY@RATIO for Naive-Evict), "
+                                                          "all or none (default h2o@0.5)")] = None,
+    goodput_requests: Annotated[int | None, typer.Option(min=1, help="requests per rate probed")] = None,
+    bisect_steps: Annotated[int | None, typer.Option(min=0, help="bisection steps after bracketing")] = None,
+    rounds: Annotated[int | None, typer.Option(min=1, help="interleaved rounds for overhead and stats cost")]
+    = None,
+    throughput_rounds: Annotated[int | None, typer.Option(min=1, help="lockstep rounds of vanilla vs vToken H2O "
+                                                                      "0.5 (closed loop; default 3)")] = None,
+    throughput_requests: Annotated[int | None, typer.Option(min=1, help="requests of those rounds (the trace's "
+                                                                        "first; default 8, quick: all)")] = None,
+    workers: Annotated[int | None, typer.Option(min=1, help="processes running the single-run concurrency rows "
+                                                            "side by side (default 2)")] = None,
+    slack: Annotated[int, typer.Option(min=0, help="budget slack of the evicting rows (tokens): evict once a "
+                                                   "request holds budget + slack, e.g. 32 = one block")] = 0,
+    rebuild: Annotated[bool | None, typer.Option(help="build the overhead / stats-cost engines afresh every round, in a "
+                                               "rotated order (instance effects become spread, not bias); default: yes, --quick: no")] = None,
     model: Annotated[str | None, typer.Option(help="model directory (default: SmolLM2-135M-Instruct)")] = None,
     plot: Annotated[Path, typer.Option(help="PNG plot path")] = Path("results/bench_serve.png"),
     as_json: Annotated[Path | None, typer.Option("--json", help="write the JSON report here")] = None,
 ) -> None:
-    """vLLM serving with the vToken plugin: max concurrency, SLA throughput and overhead at a fixed KV budget."""
+    """vLLM serving with the vToken plugin on long prompts: concurrency, goodput (TTFT + TPOT SLOs), overhead
+    and statistics cost (interleaved) at a fixed KV budget."""
     bench = _bench_module()
     cfg = bench.ServeConfig.quick() if quick else bench.ServeConfig()
     try:
-        cfg.policies = tuple(p.strip() for p in policies.split(",") if p.strip())
-        cfg.ratios = tuple(float(x) for x in ratios.split(","))
-        if rates:
-            cfg.sla_rates = tuple(float(x) for x in rates.split(","))
+        if policies:
+            cfg.policies = tuple(p.strip() for p in policies.split(",") if p.strip())
+        if ratios:
+            cfg.ratios = tuple(float(x) for x in ratios.split(","))
+        if modes:
+            cfg.modes = tuple(m.strip() for m in modes.split(",") if m.strip())
+        if prompt_tokens:
+            cfg.prompt_tokens = _range(prompt_tokens, "prompt-tokens")
+        if output_tokens:
+            cfg.output_tokens = _range(output_tokens, "output-tokens")
+        for name, value in (("num_requests", requests), ("kv_blocks", kv_blocks), ("vanilla_target", vanilla_target),
+                            ("chunk_tokens", chunk), ("step_tokens", step_tokens), ("goodput_rows", goodput_rows),
+                            ("goodput_requests", goodput_requests), ("bisect_steps", bisect_steps),
+                            ("rounds", rounds), ("throughput_rounds", throughput_rounds),
+                            ("throughput_requests", throughput_requests), ("workers", workers)):
+            if value is not None:
+                setattr(cfg, name, value)
+        cfg.when, cfg.model, cfg.clock, cfg.slack = when, model, clock, slack
+        if rebuild is not None:
+            cfg.rebuild = rebuild
+        cfg.ttft_slo_factor, cfg.tpot_slo_factor, cfg.slo_attainment = ttft_slo_factor, tpot_slo_factor, slo_attainment
+        cfg.validate()
     except ValueError as e:
         err.print(f"bad option value: {e}")
         raise typer.Exit(2) from None
-    if requests:
-        cfg.num_requests = requests
-    if prompt_len:
-        cfg.prompt_len = prompt_len
-    if kv_blocks:
-        cfg.kv_blocks = kv_blocks
-    cfg.model = model
-    cfg.slo_factor = slo_factor
-    result = bench.run_serve_benchmark(cfg, log=lambda m: err.print(m))
-    table = Table(title=f"vLLM serving at a fixed KV budget ({result['kv_cache_memory_bytes'] / 2**20:.1f} MiB = "
-                        f"{cfg.kv_blocks} blocks x {cfg.block_size} tokens), {cfg.num_requests} essay prompts of "
-                        f"{cfg.prompt_len} tokens, outputs {list(cfg.output_lens)}")
-    for c in ("mode", "policy", "evict", "max conc.", "vs vanilla", "peak blk/req", "no-preempt conc.", "vs vanilla ",
-              "SLA rps", "p95 s", "closed-loop tok/s", "blocks freed"):
-        table.add_column(c, justify="right")
-    van = result["rows"][0]
-    for r in result["rows"]:
-        gain = r["max_concurrency"] / van["max_concurrency"] if van["max_concurrency"] else float("nan")
-        g2 = (r["guaranteed_concurrency"] / van["guaranteed_concurrency"] if van.get("guaranteed_concurrency")
-              else float("nan"))
-        table.add_row(r["mode"], r["policy"], f"{r['eviction_ratio']:.1f}", str(r["max_concurrency"]), f"{gain:.2f}x",
-                      f"{r['mean_peak_blocks']:.2f}", str(r["guaranteed_concurrency"]), f"{g2:.2f}x",
-                      "-" if r["sla_throughput_rps"] is None else f"{r['sla_throughput_rps']:g}",
-                      "-" if r["p95_latency_s"] is None else f"{r['p95_latency_s']:.2f}",
-                      f"{r['closed_loop_tok_s']:.1f}", str(r["blocks_freed"]))
-    out.print(table)
-    o = result["overhead"]
-    out.print(f"overhead, policy none: vanilla {o['vanilla_tok_s']} tok/s, plugin {o['plugin_none_tok_s']} tok/s "
-              f"({o['overhead_pct']}%); indirection {o.get('indirection_ms_per_step')} ms/step of "
-              f"{o.get('step_ms')} ms (seed paper: < 1%)")
-    out.print(f"SLO p95 = {result['slo_p95_s']} s ({cfg.slo_factor}x vanilla at low load); {result['seconds']} s total "
-              "(seed paper: 1.37x SLA throughput, 2x max concurrency)")
+    result = bench.run_serve_benchmark(cfg, log=lambda m: err.print(m, highlight=False))
+    print_report(result)
     plot_serve(result, plot)
     err.print(f"plot: {plot}")
     if as_json:

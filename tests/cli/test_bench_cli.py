@@ -52,3 +52,56 @@ def test_eval_runs_and_full_cache_is_the_reference(tmp_path: Path) -> None:
     kn = rows[("knorm", 0.5)]
     assert kn["perplexity_decode"] == kn["perplexity"] and kn["perplexity_once"] != kn["perplexity_decode"]
     assert "ppl (evict once)" in res.stdout and "ppl (evict every step)" in res.stdout
+
+
+@pytest.mark.vllm
+def test_bench_serve_tiny_trace_json_schema_and_gains(tmp_path: Path) -> None:
+    """A tiny configuration of `bench serve` (short prompts, chunk 64, three requests per goodput probe):
+    every section of the report is produced and vToken at 0.5 holds fewer blocks per request."""
+    out = tmp_path / "s.json"
+    res = runner.invoke(app, ["bench", "serve", "--policies", "h2o", "--ratios", "0.5,0.7", "--modes", "naive,vtoken",
+                              "--requests", "6", "--prompt-tokens", "96,128", "--output-tokens", "8,12",
+                              "--vanilla-target", "2", "--chunk", "64", "--step-tokens", "128", "--goodput-rows", "h2o@0.5",
+                              "--goodput-requests", "3", "--bisect-steps", "0", "--rounds", "2",
+                              "--throughput-rounds", "2",
+                              "--json", str(out), "--plot", str(tmp_path / "s.png")])
+    assert res.exit_code == 0, res.output
+    d = json.loads(out.read_text())
+    rows = {(r["mode"], r["policy"], r["eviction_ratio"]): r for r in d["rows"]}
+    assert set(rows) == {("vanilla", "none", 0.0), *((m, "h2o", r) for m in ("naive", "vtoken") for r in (0.5, 0.7))}
+    # the rows the lockstep rounds did not measure ran once each, in two worker processes
+    assert {k for k, r in rows.items() if r["closed_loop_measure"].startswith("single run, worker")} == {
+        ("naive", "h2o", 0.5), ("naive", "h2o", 0.7), ("vtoken", "h2o", 0.7)}
+    assert rows[("vtoken", "h2o", 0.7)]["mean_peak_blocks"] <= rows[("vtoken", "h2o", 0.5)]["mean_peak_blocks"]
+    assert all(rows[k]["goodput_rps"] is None for k in rows if k not in (("vanilla", "none", 0.0), ("vtoken", "h2o", 0.5)))
+    keys = {"max_concurrency", "guaranteed_concurrency", "closed_loop_tok_s", "goodput_rps", "mean_peak_blocks",
+            "preemptions", "concurrency_gain"}
+    van, vt = rows[("vanilla", "none", 0.0)], rows[("vtoken", "h2o", 0.5)]
+    for r in (van, vt):
+        assert keys <= set(r)
+        assert r["closed_loop_tok_s"] > 0 and r["goodput_rps"] >= 0
+        g = r["goodput_search"]
+        assert 0 <= g["unloaded_attainment"] <= 1 and all(0 <= p["attainment"] <= 1 for p in g["probes"])
+    assert 1 <= van["max_concurrency"] <= vt["max_concurrency"]
+    assert vt["mean_peak_blocks"] < van["mean_peak_blocks"] and vt["blocks_freed"] > 0
+    c = d["config"]
+    assert c["when"] == "chunks" and 96 <= c["prompt_tokens_mean"] <= 128 and 8 <= c["output_tokens_mean"] <= 12
+    assert c["ttft_slo_s"] == pytest.approx(5.0 * c["unloaded_ttft_s"], rel=1e-2)
+    assert c["tpot_slo_s"] == pytest.approx(3.0 * c["unloaded_tpot_s"], rel=1e-2)
+    o, s = d["overhead"], d["stats_cost"]
+    assert o["rounds"] == 2 and o["vanilla_tok_s"] > 0 and o["plugin_none_tok_s"] > 0
+    assert o["overhead_pct_spread"]["min"] <= o["overhead_pct_spread"]["max"]
+    for k in ("overhead_pct", "overhead_pct_cpu", "aa_pct", "aa_pct_cpu"):  # the A/A control is reported too
+        assert o[f"{k}_spread"]["min"] - 0.01 <= o[k] <= o[f"{k}_spread"]["max"] + 0.01
+    assert s["none_s"] > 0 and s["ratio_spread"]["min"] <= s["ratio"] <= s["ratio_spread"]["max"]
+    t = d["throughput"]  # vanilla vs vToken H2O 0.5, lockstep rounds: the rows carry its medians
+    assert t["rounds"] == 2 and t["ratio_spread"]["min"] <= t["ratio"] <= t["ratio_spread"]["max"]
+    assert van["closed_loop_tok_s"] == t["vanilla_tok_s"] and vt["closed_loop_tok_s"] == t["vtoken_tok_s"]
+    assert c["slack"] == 0 and s["slack"] == 0
+    assert (tmp_path / "s.png").stat().st_size > 10_000
+    assert "goodput" in res.stdout and "stats cost" in res.stdout and "closed-loop throughput" in res.stdout
+
+
+def test_bench_serve_rejects_a_bad_when() -> None:
+    res = runner.invoke(app, ["bench", "serve", "--when", "decode"])
+    assert res.exit_code == 2 and "bad option value" in res.output
