@@ -932,12 +932,18 @@ def run_serve_benchmark(cfg: ServeConfig, log: Callable[[str], None] = print) ->
     specs: dict[str, dict[str, Any] | None] = {
         "vanilla": None, "none": {"policy": "none", "eviction_ratio": 0.5, "when": cfg.when}, "vanilla_b": None,
         "h2o": plugin_of("h2o", 0.5, "vtoken")}
+    # H2O with a one-block slack as well (unless the rows already use a slack): the same statistics every
+    # step, the policy and the compaction once per block of decode
+    alone = ("none", "h2o") + (("h2o_slack",) if not cfg.slack else ())
+    if not cfg.slack:
+        specs["h2o_slack"] = {**plugin_of("h2o", 0.5, "vtoken"), "slack": cfg.block_size}
     wall: dict[str, list[float]] = {k: [] for k in (*specs, "none_alone")}
     cpu: dict[str, list[float]] = {k: [] for k in (*specs, "none_alone")}
     none_steps, tokens, ind_s, ind_steps = 0, 0, 0.0, 0
     trio = ("vanilla", "none", "vanilla_b")
     for rnd, (order, pair, build) in enumerate(zip(interleaved_order(trio, cfg.rounds),
-                                                   pair_order("none", "h2o", cfg.rounds),
+                                                   (pair_order(*alone, cfg.rounds) if len(alone) == 2
+                                                    else interleaved_order(alone, cfg.rounds)),
                                                    interleaved_order(tuple(specs), cfg.rounds), strict=True)):
         if cfg.rebuild or not keep:
             for llm in keep.values():
@@ -960,14 +966,15 @@ def run_serve_benchmark(cfg: ServeConfig, log: Callable[[str], None] = print) ->
             tokens = g.output_tokens
             if name == "none":
                 none_steps += g.probe.steps
-        # statistics cost: policy none and H2O, each running the trace alone, ABBA order over rounds
+        # statistics cost: policy none and H2O (and H2O with slack), each running the trace alone, the order
+        # rotating over rounds
         for name in pair:
             res = run_trace(keep[name], oh_trace)
             key = "none_alone" if name == "none" else name
             wall[key].append(res.seconds)
             cpu[key].append(res.cpu_seconds)
         log(f"round {rnd + 1}: " + ", ".join(f"{k} {wall[k][-1]:.2f}s (cpu {cpu[k][-1]:.2f}s)"
-                                             for k in (*order, "none_alone", "h2o")) + f" {el()}")
+                                             for k in (*order, "none_alone", *alone[1:])) + f" {el()}")
     for llm in keep.values():
         _free(llm)
     overhead, stats_cost = summarize_interleaved(wall, cpu, tokens, stats_ref="none_alone")
@@ -978,6 +985,13 @@ def run_serve_benchmark(cfg: ServeConfig, log: Callable[[str], None] = print) ->
                     rounds=cfg.rounds, rebuilt_per_round=cfg.rebuild, requests=n_oh, output_tokens=tokens)
     stats_cost.update(policy="h2o", eviction_ratio=0.5, mode="vtoken", when=cfg.when, slack=cfg.slack,
                       rounds=cfg.rounds, requests=n_oh)
+    if "h2o_slack" in alone:
+        pr, pc = paired_ratio(wall["h2o_slack"], wall["none_alone"]), paired_ratio(cpu["h2o_slack"], cpu["none_alone"])
+        stats_cost.update(slack_variant=cfg.block_size, h2o_slack_s=round(statistics.median(wall["h2o_slack"]), 3),
+                          h2o_slack_s_spread=_r(spread(wall["h2o_slack"]), 3), ratio_slack=round(pr["ratio"], 3),
+                          ratio_slack_spread={"min": round(pr["min"], 3), "max": round(pr["max"], 3)},
+                          ratio_slack_cpu=round(pc["ratio"], 3),
+                          ratio_slack_cpu_spread={"min": round(pc["min"], 3), "max": round(pc["max"], 3)})
     log(f"overhead {overhead['overhead_pct']}% {overhead['overhead_pct_spread']}; H2O/none "
         f"{stats_cost['ratio']}x {stats_cost['ratio_spread']} {el()}")
 

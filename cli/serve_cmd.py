@@ -114,7 +114,10 @@ def print_report(result: dict[str, Any]) -> None:
               f"{o['indirection_ms_per_step']} ms of a {o['step_ms']} ms step")
     out.print(f"stats cost, H2O ({s['mode']} {s['eviction_ratio']}) vs policy none: {s['h2o_s']} s vs {s['none_s']} s "
               f"= {s['ratio']}x {_sp(s, 'ratio')} wall, {s['ratio_cpu']}x {_sp(s, 'ratio_cpu')} CPU time "
-              f"(statistics backend: {c.get('stats_backend')})")
+              f"(statistics backend: {c.get('stats_backend')})"
+              + (f"; with a {s['slack_variant']}-token slack {s['h2o_slack_s']} s = {s['ratio_slack']}x "
+                 f"{_sp(s, 'ratio_slack')} wall, {s['ratio_slack_cpu']}x {_sp(s, 'ratio_slack_cpu')} CPU"
+                 if "ratio_slack" in s else ""))
     out.print(f"{result['seconds']} s total ({result.get('cpu_seconds')} s of CPU time); seed paper: 2x max "
               "concurrency, 1.37x SLA throughput, < 1% overhead")
 

@@ -98,6 +98,7 @@ def test_bench_serve_tiny_trace_json_schema_and_gains(tmp_path: Path) -> None:
     assert t["rounds"] == 2 and t["ratio_spread"]["min"] <= t["ratio"] <= t["ratio_spread"]["max"]
     assert van["closed_loop_tok_s"] == t["vanilla_tok_s"] and vt["closed_loop_tok_s"] == t["vtoken_tok_s"]
     assert c["slack"] == 0 and s["slack"] == 0
+    assert s["slack_variant"] == 32 and s["ratio_slack_spread"]["min"] <= s["ratio_slack"] <= s["ratio_slack_spread"]["max"]
     assert (tmp_path / "s.png").stat().st_size > 10_000
     assert "goodput" in res.stdout and "stats cost" in res.stdout and "closed-loop throughput" in res.stdout
 
