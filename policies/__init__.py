@@ -14,7 +14,8 @@ _HERE = Path(__file__).resolve().parent
 MODULES = {"h2o": "h2o", "scissorhands": "scissorhands", "random": "random_evict",
            "streaming_llm": "streaming_llm", "snapkv": "snapkv", "tova": "tova", "knorm": "knorm",
            "observed_attention": "observed_attention", "keydiff": "keydiff",
-           "expected_attention": "expected_attention", "chunkkv": "chunkkv", "cur": "cur"}
+           "expected_attention": "expected_attention", "chunkkv": "chunkkv", "cur": "cur",
+           "diverse_hitters": "diverse_hitters"}
 
 
 def names() -> list[str]:

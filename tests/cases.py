@@ -32,6 +32,7 @@ CASES: list[tuple[str, dict[str, Any]]] = [
     ("keydiff", {"granularity": "request"}),
     ("query_dot", {}),
     ("expected_attention", {}),
+    ("diverse_hitters", {}),
 ]
 
 

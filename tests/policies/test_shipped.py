@@ -46,8 +46,11 @@ def test_every_shipped_policy_file_passes_all_checks(name: str) -> None:
 
 
 def test_every_shipped_file_is_registered() -> None:
+    from vtoken_bench import ALL_POLICIES
+
     files = {p.stem for p in (ROOT / "policies").glob("*.py") if p.stem != "__init__"}
     assert files == {vtoken_policies.path(n).stem for n in vtoken_policies.names()}
+    assert set(ALL_POLICIES) == set(vtoken_policies.names())  # bench blocks / eval run every shipped policy
 
 
 def test_press_table_names_every_kvpress_pair() -> None:
