@@ -295,7 +295,12 @@ def _child(conn: Any, path: str, examples: int, timeout: float, check_timeout: f
     from vtoken_sdk.errors import traceback_line_in_file
 
     dump = open(dump_path, "w")  # noqa: SIM115 - lives as long as the process
-    faulthandler.enable(file=dump)  # a crash (SIGSEGV...) leaves the stack, hence the line, too
+    # a crash (SIGSEGV...) leaves the stack, hence the line, too. disable() first: enable() on an already
+    # enabled faulthandler (pytest enables it in the parent we forked from) only swaps the file and does
+    # not reinstall its signal handlers, and a native library loaded in the parent since (an in-process
+    # vLLM engine) may have replaced them: the crash then left an empty dump and no line
+    faulthandler.disable()
+    faulthandler.enable(file=dump)
     if hasattr(faulthandler, "register"):  # POSIX: the parent's SIGUSR1 asks for the stack before it kills us
         faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
     sys.stdout = sys.stderr  # what the file prints must not end up in the report on stdout

@@ -203,3 +203,26 @@ def test_list_shows_shipped_policies() -> None:
 def test_no_args_shows_help() -> None:
     res = runner.invoke(app, [])
     assert "validate" in res.output
+
+
+def test_crash_line_found_when_a_library_replaced_the_crash_handler(tmp_path: Path) -> None:
+    """The parent (e.g. pytest) has faulthandler enabled, then a native library replaces the SIGSEGV
+    handler (an in-process vLLM engine did): the forked child must reinstall faulthandler's handlers, not
+    only swap its file, or the crash leaves an empty dump and the report loses the line."""
+    import faulthandler
+    import signal
+
+    f = tmp_path / "dies.py"
+    f.write_text("import ctypes\nctypes.string_at(0)\n")
+    was = faulthandler.is_enabled()
+    faulthandler.enable()
+    old = signal.signal(signal.SIGSEGV, signal.SIG_DFL)  # faulthandler still "enabled", its handler gone
+    try:
+        res = runner.invoke(app, ["validate", str(f), "-n", "5"])
+    finally:
+        signal.signal(signal.SIGSEGV, old)
+        faulthandler.disable()
+        if was:
+            faulthandler.enable()
+    assert res.exit_code == 1
+    assert f"error {f}:2: the process loading the file was killed by SIGSEGV\n" in res.stderr, res.stderr
