@@ -759,46 +759,40 @@ def _row(mode: str, policy: str, ratio: float, res: RunResult, kv_blocks: int,
             "goodput_rps": None}
 
 
-def _single_row(model_dir: str, cfg: ServeConfig, trace: Trace, key: tuple[str, str, float],
-                plugin_of: Callable[[str, float, str], dict[str, Any]], llm: Any = None
+def plugin_args(cfg: ServeConfig, pol: str, r: float, mode: str = "vtoken") -> dict[str, Any]:
+    """The plugin settings of an evicting row: policy, mode, ratio, and the config's ``when`` / ``slack``."""
+    return {"policy": pol, "mode": MODES[mode], "eviction_ratio": r, "when": cfg.when, "slack": cfg.slack}
+
+
+def _single_row(model_dir: str, cfg: ServeConfig, trace: Trace, key: tuple[str, str, float]
                 ) -> tuple[dict[str, Any], str | None]:
-    """One configuration's row from one closed-loop run of ``trace`` (``llm``: an engine to reuse, else one
-    is built and freed)."""
+    """One configuration's row from one closed-loop run of ``trace`` on an engine built and freed here."""
     mode, pol, r = key
-    own = llm is None
-    if own:
-        llm = build_engine(model_dir, cfg, None if mode == "vanilla" else plugin_of(pol, r, mode),
-                           max_num_seqs=len(trace))
-        _warm(llm, trace)
+    llm = build_engine(model_dir, cfg, None if mode == "vanilla" else plugin_args(cfg, pol, r, mode),
+                       max_num_seqs=len(trace))
+    _warm(llm, trace)
     s0 = stats_seconds(llm)
     res = run_trace(llm, trace)
     s1 = stats_seconds(llm)
     backend = stats_backend(llm)
-    if own:
-        _free(llm)
+    _free(llm)
     return _row(mode, pol, r, res, cfg.kv_blocks or 0, None if s0 is None or s1 is None else s1 - s0), backend
 
 
 def _row_job(cfg: ServeConfig, model_dir: str, key: tuple[str, str, float]) -> tuple[dict[str, Any], str | None]:
     """Worker-process entry: build the trace and one engine, run the trace once (see :func:`_single_row`)."""
     _set_env()
-    trace = make_trace(model_dir, cfg)
-
-    def plugin_of(pol: str, r: float, mode: str) -> dict[str, Any]:
-        return {"policy": pol, "mode": MODES[mode], "eviction_ratio": r, "when": cfg.when, "slack": cfg.slack}
-
-    return _single_row(model_dir, cfg, trace, key, plugin_of)
+    return _single_row(model_dir, cfg, make_trace(model_dir, cfg), key)
 
 
-def run_rows_parallel(cfg: ServeConfig, model_dir: str, keys: Sequence[tuple[str, str, float]],
-                      plugin_of: Callable[..., Any]) -> list[tuple[dict[str, Any], str | None]]:
+def run_rows_parallel(cfg: ServeConfig, model_dir: str, keys: Sequence[tuple[str, str, float]]
+                      ) -> list[tuple[dict[str, Any], str | None]]:
     """The rows of ``keys`` from ``cfg.workers`` spawned processes, one fresh process per configuration
     (an in-process vLLM engine cannot be freed while another lives, and a fresh process starts each run
     alike). The counts do not depend on timing; each row's tokens/s is a single run next to another."""
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
 
-    del plugin_of  # the workers rebuild it from cfg (closures do not pickle)
     with ProcessPoolExecutor(max_workers=cfg.workers, mp_context=mp.get_context("spawn"),
                              max_tasks_per_child=1) as ex:
         futs = [ex.submit(_row_job, cfg, model_dir, k) for k in keys]
@@ -835,9 +829,6 @@ def run_serve_benchmark(cfg: ServeConfig, log: Callable[[str], None] = print) ->
     # from one run of the whole trace (they do not depend on timing): when ``tp_trace`` is the whole trace,
     # the lockstep's first round gives vanilla's and H2O 0.5's rows; the other rows run once each, in
     # ``workers`` processes side by side (their tokens/s are single runs, not compared).
-    def plugin_of(pol: str, r: float, mode: str) -> dict[str, Any]:
-        return {"policy": pol, "mode": MODES[mode], "eviction_ratio": r, "when": cfg.when, "slack": cfg.slack}
-
     van = build_engine(model_dir, cfg, None, max_num_seqs=n)
     _warm(van, trace)
     pair = ("vtoken", "h2o", 0.5)
@@ -848,7 +839,7 @@ def run_serve_benchmark(cfg: ServeConfig, log: Callable[[str], None] = print) ->
     backend = None
     rows_by: dict[tuple[str, str, float], dict[str, Any]] = {}
     if has_pair:
-        pair_llm = build_engine(model_dir, cfg, plugin_of("h2o", 0.5, "vtoken"), max_num_seqs=n)
+        pair_llm = build_engine(model_dir, cfg, plugin_args(cfg, "h2o", 0.5), max_num_seqs=n)
         _warm(pair_llm, trace)
         runs: dict[str, list[RunResult]] = {"vanilla": [], "h2o": []}
         s0 = stats_seconds(pair_llm)
@@ -895,14 +886,14 @@ def run_serve_benchmark(cfg: ServeConfig, log: Callable[[str], None] = print) ->
                                                       for m in cfg.modes] if k not in rows_by]
     if cfg.workers > 1 and len(todo) > 1:
         log(f"{len(todo)} configurations, {cfg.workers} worker processes side by side {el()}")
-        for key, (row, bk) in zip(todo, run_rows_parallel(cfg, model_dir, todo, plugin_of), strict=True):
+        for key, (row, bk) in zip(todo, run_rows_parallel(cfg, model_dir, todo), strict=True):
             rows_by[key] = row
             backend = backend or bk
             log(f"{key[0]} {key[1]} {key[2]}: running peak {row['max_concurrency']}, guaranteed "
                 f"{row['guaranteed_concurrency']}, preemptions {row['preemptions']}")
     else:
         for key in todo:
-            rows_by[key], bk = _single_row(model_dir, cfg, trace, key, plugin_of)
+            rows_by[key], bk = _single_row(model_dir, cfg, trace, key)
             backend = backend or bk
             log(f"{key[0]} {key[1]} {key[2]}: running peak {rows_by[key]['max_concurrency']}, guaranteed "
                 f"{rows_by[key]['guaranteed_concurrency']}, {rows_by[key]['closed_loop_tok_s']:.1f} tok/s closed "
@@ -917,7 +908,7 @@ def run_serve_benchmark(cfg: ServeConfig, log: Callable[[str], None] = print) ->
         if not _wants_goodput(cfg, *key):
             continue
         if key not in goodput_done:
-            llm = build_engine(model_dir, cfg, plugin_of(key[1], key[2], key[0]), max_num_seqs=n)
+            llm = build_engine(model_dir, cfg, plugin_args(cfg, key[1], key[2], key[0]), max_num_seqs=n)
             _warm(llm, trace)
             goodput_done[key] = goodput_for(llm, cfg, gp_trace, un_trace, slo, start, log,
                                             f"{key[0]} {key[1]} {key[2]}", ref=van_gp)
@@ -931,12 +922,12 @@ def run_serve_benchmark(cfg: ServeConfig, log: Callable[[str], None] = print) ->
     keep: dict[str, Any] = {}
     specs: dict[str, dict[str, Any] | None] = {
         "vanilla": None, "none": {"policy": "none", "eviction_ratio": 0.5, "when": cfg.when}, "vanilla_b": None,
-        "h2o": plugin_of("h2o", 0.5, "vtoken")}
+        "h2o": plugin_args(cfg, "h2o", 0.5)}
     # H2O with a one-block slack as well (unless the rows already use a slack): the same statistics every
     # step, the policy and the compaction once per block of decode
     alone = ("none", "h2o") + (("h2o_slack",) if not cfg.slack else ())
     if not cfg.slack:
-        specs["h2o_slack"] = {**plugin_of("h2o", 0.5, "vtoken"), "slack": cfg.block_size}
+        specs["h2o_slack"] = {**plugin_args(cfg, "h2o", 0.5), "slack": cfg.block_size}
     wall: dict[str, list[float]] = {k: [] for k in (*specs, "none_alone")}
     cpu: dict[str, list[float]] = {k: [] for k in (*specs, "none_alone")}
     none_steps, tokens, ind_s, ind_steps = 0, 0, 0.0, 0
