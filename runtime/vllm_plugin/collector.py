@@ -40,6 +40,8 @@ class StepContext:
     positions (-1 = padding), ``prompt_len [B]``, for the requests whose statistics are collected
     (``md`` covers exactly those, in the same order; None when no attention statistic is read).
     ``query_write``: where their queries go in the query window store (None: no query statistic read).
+    ``gather_index`` / ``pad_mask`` (derived): the rows the wrapper gathers from the flat query tensor and,
+    when a row is padded, the mask zeroing the padding (computed once per step for all layers).
     """
 
     req_ids: list[str]
@@ -49,6 +51,16 @@ class StepContext:
     prompt_len: torch.Tensor
     collect_attn: bool
     query_write: Any = None
+    padded: bool | None = None  # some tok_index is -1 (None: found from tok_index, a device sync on GPUs)
+
+    def __post_init__(self) -> None:
+        # once per step, not per layer: the gather rows (padding -> row 0) and, only when some row is
+        # padded, the mask that zeroes the padding's queries
+        self.gather_index = self.tok_index.clamp(min=0)
+        valid = self.tok_index >= 0
+        if self.padded is None:
+            self.padded = not bool(valid.all())
+        self.pad_mask = valid[:, :, None, None] if self.padded else None
 
 
 class VTokenAttentionImpl:
@@ -85,9 +97,9 @@ class VTokenAttentionImpl:
         step = self._runner._vt_step
         col = self._runner._vt_collector
         if step is not None and attn_metadata is not None and col is not None and step.collect_attn:
-            idx = step.tok_index
-            q = query[idx.clamp(min=0)]  # [T, H_q, D] -> [B, Q, H_q, D]
-            q = torch.where((idx >= 0)[:, :, None, None], q, torch.zeros((), dtype=q.dtype))
+            q = query[step.gather_index]  # [T, H_q, D] -> [B, Q, H_q, D]
+            if step.pad_mask is not None:
+                q = torch.where(step.pad_mask, q, torch.zeros((), dtype=q.dtype))
             col.attention(self._layer, q, step.md, step.query_pos, step.prompt_len, float(self._inner.scale))
         if step is not None and attn_metadata is not None and step.query_write is not None:
             self._runner._vt_queries.write(self._layer, query, step.query_write)

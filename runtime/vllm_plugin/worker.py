@@ -292,7 +292,7 @@ class VTokenRunnerMixin:
             dev = cache.device
             self._vt_step = StepContext(sel_ids, md, tok.to(dev, non_blocking=True),
                                         qpos.to(dev, non_blocking=True), plen.to(dev, non_blocking=True), attn,
-                                        qwrite)
+                                        qwrite, padded=bool((tok < 0).any()))
         else:
             cache.fence()
             self._vt_step = StepContext([], None, torch.zeros(0), torch.zeros(0), torch.zeros(0), False)

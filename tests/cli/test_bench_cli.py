@@ -51,6 +51,9 @@ def test_eval_runs_and_full_cache_is_the_reference(tmp_path: Path) -> None:
     assert abs(full["perplexity_once"] - full["perplexity_decode"]) < 1e-3 * full["perplexity_decode"]
     kn = rows[("knorm", 0.5)]
     assert kn["perplexity_decode"] == kn["perplexity"] and kn["perplexity_once"] != kn["perplexity_decode"]
+    # one window: the per-window perplexities (for paired comparisons) are the pooled ones
+    assert kn["perplexity_decode_windows"] == [kn["perplexity_decode"]]
+    assert kn["perplexity_once_windows"] == [kn["perplexity_once"]]
     assert "ppl (evict once)" in res.stdout and "ppl (evict every step)" in res.stdout
 
 

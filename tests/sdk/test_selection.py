@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vtoken_sdk.selection import keep_counts, ordered_key, select
+from vtoken_sdk.selection import _keep_top_k_sorted, _keep_top_k_threshold, keep_counts, ordered_key, select
 
 
 def oracle(scores: list[float], length: int, pins: list[bool], k: int) -> list[bool]:
@@ -54,6 +54,27 @@ def test_select_matches_oracle(data: st.DataObject) -> None:
         for j in range(r):
             f32 = [struct.unpack("f", struct.pack("f", x))[0] for x in scores[i][j]]
             assert got[i, j].tolist() == oracle(f32, lengths[i], pins[i][j], k)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_threshold_and_sort_paths_keep_the_same_tokens(data: st.DataObject) -> None:
+    """select() ranks by kthvalue on CPU and by a full sort elsewhere: equal masks on unique keys (ties,
+    NaN, padding and pins included, through the composite key)."""
+    b, r, n = data.draw(st.integers(1, 4)), data.draw(st.integers(1, 5)), data.draw(st.integers(1, 40))
+    vals = data.draw(st.lists(floats, min_size=b * r * n, max_size=b * r * n))
+    s = torch.tensor(vals, dtype=torch.float32).view(b, r, n)
+    lengths = torch.tensor(data.draw(st.lists(st.integers(0, n), min_size=b, max_size=b)))
+    pins = torch.tensor(data.draw(st.lists(st.booleans(), min_size=b * r * n, max_size=b * r * n))).view(b, r, n)
+    idx = torch.arange(n)
+    valid = idx < lengths[:, None, None]
+    comp = ordered_key(s).to(torch.int64) * 2**32 + idx
+    comp = torch.where(pins & valid, (2**31 - 1) * 2**32 + idx, comp)
+    comp = torch.where(valid, comp, torch.full_like(comp, -(2**63)))
+    k = torch.minimum(lengths, torch.tensor(data.draw(st.lists(st.integers(0, n), min_size=b, max_size=b))))
+    a, t = _keep_top_k_sorted(comp, k), _keep_top_k_threshold(comp, k)
+    assert torch.equal(a, t)
+    assert (t.sum(-1) == k[:, None]).all()
 
 
 def one(scores: list[float], length: int | None = None, pins: list[bool] | None = None, budget: int = 2) -> list[bool]:
