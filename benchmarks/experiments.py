@@ -31,11 +31,28 @@ class Config:
         return f"{self.policy}@{self.eviction_ratio}"
 
 
-def configured_policy(name: str, eviction_ratio: float) -> Any:
-    """A shipped policy with its budget set to keep ``1 - eviction_ratio`` of the tokens."""
-    import vtoken_policies
+def load_named_policy(name: str) -> Any:
+    """A shipped policy by name, or the policy defined in a policy file (``name`` ending in ``.py``; the file
+    must define exactly one). A bad file raises ``ValueError`` with the loader's file:line message."""
+    if not name.endswith(".py"):
+        import vtoken_policies
 
-    p = vtoken_policies.load(name)
+        return vtoken_policies.load(name)
+    from vtoken_sdk.loader import load_policy_file
+
+    lf = load_policy_file(name)
+    if lf.error is not None:
+        raise ValueError(lf.error.render())
+    if len(lf.policies) != 1:
+        raise ValueError(f"{name}: defines {len(lf.policies)} policies ({', '.join(p.name for p in lf.policies)}); "
+                         "expected one per file")
+    return lf.policies[0]
+
+
+def configured_policy(name: str, eviction_ratio: float) -> Any:
+    """A shipped policy (or a policy file, see :func:`load_named_policy`) with its budget set to keep
+    ``1 - eviction_ratio`` of the tokens."""
+    p = load_named_policy(name)
     return p.configure(budget=p.budget.model_copy(update={"ratio": 1.0 - eviction_ratio}))
 
 

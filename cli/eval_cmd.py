@@ -19,7 +19,8 @@ err = Console(stderr=True)
 
 def evaluate(
     quick: Annotated[bool, typer.Option("--quick", help="1K context, 64 scored tokens, passkey at 2K")] = False,
-    policies: Annotated[str, typer.Option(help="comma-separated shipped policies")] = ",".join(ALL_POLICIES),
+    policies: Annotated[str, typer.Option(help="comma-separated shipped policies or policy files (*.py)")
+                        ] = ",".join(ALL_POLICIES),
     ratios: Annotated[str, typer.Option(help="comma-separated eviction ratios")] = "0.3,0.5,0.7",
     context: Annotated[int | None, typer.Option(min=16, help="perplexity context tokens")] = None,
     continuation: Annotated[int | None, typer.Option(min=1, help="scored tokens after the context")] = None,
@@ -31,6 +32,10 @@ def evaluate(
     when: Annotated[str, typer.Option(help="prefill: evict once the prompt is complete; chunks: also after "
                                            "every prefill chunk (Budget(when='chunks'))")] = "prefill",
     chunk_size: Annotated[int, typer.Option(min=1, help="prefill chunk (tokens per forward)")] = 512,
+    window_offset: Annotated[int, typer.Option(min=0, help="essay token offset of the perplexity windows (other "
+                                                         "values: held-out text to design a policy on)")] = 60_000,
+    filler_offset: Annotated[int, typer.Option(min=0, help="essay token offset of the passkey fillers")
+                             ] = 20_000,
 ) -> None:
     """Quality under eviction: full cache vs each policy at each eviction ratio."""
     from vtoken_bench.eval_quality import plot_eval, run_eval, write_json
@@ -49,8 +54,13 @@ def evaluate(
     ctx = context or (1024 if quick else 2048)
     cont = continuation or (64 if quick else 256)
     nreq = requests or (1 if quick else 2)
-    with Progress(console=err, transient=True) as progress:
-        result = run_eval(pol, rts, ctx, cont, nreq, pls, dps, progress=progress, when=when, chunk_size=chunk_size)
+    try:
+        with Progress(console=err, transient=True) as progress:
+            result = run_eval(pol, rts, ctx, cont, nreq, pls, dps, progress=progress, when=when,
+                              chunk_size=chunk_size, window_offset=window_offset, filler_offset=filler_offset)
+    except ValueError as e:  # an unknown policy or a bad policy file (file:line)
+        err.print(f"eval: {e}", markup=False, highlight=False)
+        raise typer.Exit(1) from None
     table = Table(title=f"quality under eviction, {result['model']}: perplexity of {cont} tokens after a "
                         f"{ctx}-token evicted context ({nreq} window(s)); passkey at lengths {list(pls)}, "
                         f"depths {list(dps)}; eviction after {'every prefill chunk' if when == 'chunks' else 'prefill'}"

@@ -57,6 +57,33 @@ def test_eval_runs_and_full_cache_is_the_reference(tmp_path: Path) -> None:
     assert "ppl (evict once)" in res.stdout and "ppl (evict every step)" in res.stdout
 
 
+def test_eval_takes_a_policy_file_and_held_out_offsets(tmp_path: Path) -> None:
+    """A researcher's own file runs next to a shipped policy (same rows, its path as the label) on text at
+    other offsets; a broken file stops the run before the model loads: file:line, exit 1, no traceback."""
+    mine = tmp_path / "mine.py"
+    mine.write_text("import vtoken_sdk as vt\n\n\n@vt.policy(budget=vt.Budget(ratio=0.5), protect=[vt.sinks(4)])\n"
+                    "def mine(s: vt.TokenStats):\n    return s.attn_sum / (s.age + 1.0)\n")
+    out = tmp_path / "e.json"
+    args = ["eval", "--ratios", "0.5", "--context", "96", "--continuation", "4", "--requests", "1",
+            "--passkey-lengths", "300", "--depths", "0.5", "--plot", str(tmp_path / "e.png")]
+    res = runner.invoke(app, [*args, "--policies", f"observed_attention,{mine}", "--window-offset", "100000",
+                              "--filler-offset", "125000", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    d = json.loads(out.read_text())
+    assert (d["window_offset"], d["filler_offset"]) == (100_000, 125_000)
+    rows = {r["policy"]: r for r in d["rows"]}
+    assert set(rows) == {"full", "observed_attention", str(mine)}
+    # the file's score is ObservedAttention's (attention sum over age + 1) without its protection: not the
+    # same keep sets, but a valid evicted perplexity
+    assert 1.0 < rows[str(mine)]["perplexity_decode"] < 500.0
+    bad = tmp_path / "bad.py"
+    bad.write_text("import vtoken_sdk as vt\n\n\n@vt.policy(budget=vt.Budget(ratio=2.0))\n"
+                   "def bad(s: vt.TokenStats):\n    return s.attn_sum\n")
+    res = runner.invoke(app, [*args, "--policies", str(bad)])
+    assert res.exit_code == 1
+    assert f"{bad}:4" in res.output and "Traceback" not in res.output
+
+
 @pytest.mark.vllm
 def test_bench_serve_tiny_trace_json_schema_and_gains(tmp_path: Path) -> None:
     """A tiny configuration of `bench serve` (short prompts, chunk 64, three requests per goodput probe):
