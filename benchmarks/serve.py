@@ -931,6 +931,8 @@ def run_serve_benchmark(cfg: ServeConfig, log: Callable[[str], None] = print) ->
     wall: dict[str, list[float]] = {k: [] for k in (*specs, "none_alone")}
     cpu: dict[str, list[float]] = {k: [] for k in (*specs, "none_alone")}
     none_steps, tokens, ind_s, ind_steps = 0, 0, 0.0, 0
+    # where H2O's extra time goes, per alone run: the statistics collector, the policy, the compaction
+    parts: dict[str, list[float]] = {"statistics_s": [], "policy_s": [], "reclaim_s": [], "evictions": []}
     trio = ("vanilla", "none", "vanilla_b")
     for rnd, (order, pair, build) in enumerate(zip(interleaved_order(trio, cfg.rounds),
                                                    (pair_order(*alone, cfg.rounds) if len(alone) == 2
@@ -960,7 +962,14 @@ def run_serve_benchmark(cfg: ServeConfig, log: Callable[[str], None] = print) ->
         # statistics cost: policy none and H2O (and H2O with slack), each running the trace alone, the order
         # rotating over rounds
         for name in pair:
+            s0, c0 = stats_seconds(keep[name]), _runner(keep[name]).vtoken_counters
             res = run_trace(keep[name], oh_trace)
+            if name == "h2o":
+                s1, c1 = stats_seconds(keep[name]), _runner(keep[name]).vtoken_counters
+                parts["statistics_s"].append((s1 or 0.0) - (s0 or 0.0))
+                for k, c in (("policy_s", "policy_seconds"), ("reclaim_s", "reclaim_seconds"),
+                             ("evictions", "evictions")):
+                    parts[k].append(float(c1.get(c, 0.0) - c0.get(c, 0.0)))
             key = "none_alone" if name == "none" else name
             wall[key].append(res.seconds)
             cpu[key].append(res.cpu_seconds)
@@ -976,6 +985,8 @@ def run_serve_benchmark(cfg: ServeConfig, log: Callable[[str], None] = print) ->
                     rounds=cfg.rounds, rebuilt_per_round=cfg.rebuild, requests=n_oh, output_tokens=tokens)
     stats_cost.update(policy="h2o", eviction_ratio=0.5, mode="vtoken", when=cfg.when, slack=cfg.slack,
                       rounds=cfg.rounds, requests=n_oh)
+    if parts["evictions"]:  # medians over the rounds of H2O's alone runs
+        stats_cost["h2o_parts"] = {k: round(statistics.median(v), 3) for k, v in parts.items()}
     if "h2o_slack" in alone:
         pr, pc = paired_ratio(wall["h2o_slack"], wall["none_alone"]), paired_ratio(cpu["h2o_slack"], cpu["none_alone"])
         stats_cost.update(slack_variant=cfg.block_size, h2o_slack_s=round(statistics.median(wall["h2o_slack"]), 3),

@@ -118,6 +118,11 @@ def print_report(result: dict[str, Any]) -> None:
               + (f"; with a {s['slack_variant']}-token slack {s['h2o_slack_s']} s = {s['ratio_slack']}x "
                  f"{_sp(s, 'ratio_slack')} wall, {s['ratio_slack_cpu']}x {_sp(s, 'ratio_slack_cpu')} CPU"
                  if "ratio_slack" in s else ""))
+    if hp := s.get("h2o_parts"):
+        ev = max(1.0, hp["evictions"])
+        out.print(f"  H2O's extra time, per run (medians): statistics {hp['statistics_s']} s; {hp['evictions']:.0f} "
+                  f"evictions: policy {hp['policy_s']} s ({1e3 * hp['policy_s'] / ev:.1f} ms each), compaction "
+                  f"{hp['reclaim_s']} s ({1e3 * hp['reclaim_s'] / ev:.1f} ms each)")
     out.print(f"{result['seconds']} s total ({result.get('cpu_seconds')} s of CPU time); seed paper: 2x max "
               "concurrency, 1.37x SLA throughput, < 1% overhead")
 

@@ -124,6 +124,10 @@ def test_bench_serve_tiny_trace_json_schema_and_gains(tmp_path: Path) -> None:
     for k in ("overhead_pct", "overhead_pct_cpu", "aa_pct", "aa_pct_cpu"):  # the A/A control is reported too
         assert o[f"{k}_spread"]["min"] - 0.01 <= o[k] <= o[f"{k}_spread"]["max"] + 0.01
     assert s["none_s"] > 0 and s["ratio_spread"]["min"] <= s["ratio"] <= s["ratio_spread"]["max"]
+    hp = s["h2o_parts"]  # where H2O's time goes: statistics every step, the policy and compaction per eviction
+    assert hp["evictions"] >= 1 and hp["statistics_s"] > 0 and hp["policy_s"] > 0 and hp["reclaim_s"] >= 0
+    assert hp["statistics_s"] + hp["policy_s"] + hp["reclaim_s"] < s["h2o_s_spread"]["max"]
+    assert "H2O's extra time" in res.stdout
     t = d["throughput"]  # vanilla vs vToken H2O 0.5, lockstep rounds: the rows carry its medians
     assert t["rounds"] == 2 and t["ratio_spread"]["min"] <= t["ratio"] <= t["ratio_spread"]["max"]
     assert van["closed_loop_tok_s"] == t["vanilla_tok_s"] and vt["closed_loop_tok_s"] == t["vtoken_tok_s"]
