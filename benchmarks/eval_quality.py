@@ -123,8 +123,7 @@ def run_eval(policies: tuple[str, ...] = ALL_POLICIES, ratios: tuple[float, ...]
 
 def _run_group(model: Any, tok: Any, configs: list[Config], context: int, continuation: int, ppl_requests: int,
                passkey_lengths: tuple[int, ...], depths: tuple[float, ...], answer_tokens: int, progress: Any,
-               task: Any, when: str, chunk_size: int, window_offset: int = 60_000,
-               filler_offset: int = 20_000) -> dict[str, Any]:
+               task: Any, when: str, chunk_size: int, window_offset: int, filler_offset: int) -> dict[str, Any]:
     from vtoken_bench.essays import build_passkey, essay_token_requests, parse_passkey
 
     pols = {c.key: (None if c.policy == FULL else configured_policy(c.policy, c.eviction_ratio)) for c in configs}

@@ -296,7 +296,7 @@ class EvictionDriver:
         stats = {s: torch.zeros(B, Lc, H, N) for s in names}
         pinned = torch.zeros(pos.shape, dtype=torch.bool)
         for b, (r, p, n) in enumerate(zip(rs, views, ns, strict=True)):
-            pos.numpy()[b, ..., :n] = p.reshape(pos.shape[1:-1] + (n,))  # (p: the table's read-only view)
+            pos[b, ..., :n] = torch.from_numpy(p).view(pos.shape[1:-1] + (n,))
             pos[b, ..., n:] = seq[b] + torch.arange(N - n)  # padding: past the request, never kept
             pins = cache.pinned_positions(r)
             if pins.size:
