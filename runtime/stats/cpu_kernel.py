@@ -11,7 +11,10 @@ For every (request ``b``, KV head ``h``), over key tiles of ``BN`` virtual slots
 the kernel; a pure copy of the bits, whatever the cache layout): a unit stride along D takes 8 x 8 blocks
 (vector loads + an in-register transpose); a unit stride along the block slot (vLLM's CPU layout: K
 dim-major per (block, head)) copies, per run of the tile's consecutive keys inside one block, one
-contiguous slice per ``d``; any other layout is read element by element:
+contiguous slice per ``d``; any other layout is read element by element. A dim-major cache with a block size
+that is a multiple of 8 and a request whose scores are kept for pass 2 (below) gathers no keys at all: pass 1
+reads each run in place, 16 / 8 keys per vector load per ``d`` (the same sums in the same order, so the same
+bits; the tile copy of 16-key runs cost more than the dot products it feeds, decode and prefill alike):
 
 1. pass 1: for every needed (query, query head) row, the online max and sum of exponentials of
    ``s = scale * q . k`` over the visible keys (``LANES`` running (max, sum) lanes per row, merged at the
@@ -23,10 +26,10 @@ contiguous slice per ``d``; any other layout is read element by element:
    physical slots (every virtual slot ``j < cache_len``: dead slots get the same 0 contributions, the
    overwrite and the decay as in the reference).
 
-The cache is read once per (request, KV head): the transposed tiles stay in a scratch buffer
-(``SCRATCH_BYTES``, 32 MiB: ~64K tokens at D = 128) between the passes; a longer request re-gathers its
-earlier tiles in pass 2. Pass 1's scaled scores ``s`` of a request's needed rows are kept for pass 2
-(which then does no dot products) when they fit in ``SCORE_BYTES`` (16 MiB: e.g. 256 queries x 3 query
+The cache is read once per (request, KV head) (in place: once per needed query): the transposed tiles
+stay in a scratch buffer (``SCRATCH_BYTES``, 32 MiB: ~64K tokens at D = 128) between the passes; a longer
+request re-gathers its earlier tiles in pass 2. Pass 1's scaled scores ``s`` of a request's needed rows are
+kept for pass 2 (which then does no dot products) when they fit in ``SCORE_BYTES`` (16 MiB: e.g. 256 queries x 3 query
 heads x 5K keys) and the request's tiles fit in one scratch chunk; otherwise pass 2 recomputes them (the
 same bits either way). Beyond that, per row only ``O(LANES)`` state is kept: no probability matrix
 exists. Tiles whose smallest key position is past a query's position are skipped for it (the
@@ -130,16 +133,20 @@ def _py_fexp(x):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
 
 
 def _py_gather(kraw, shift, k_snb, k_sbs, k_sh, k_sd, bt, b, h, j0, nt, bs, kpos, kp_off, ktu, kp, slots, rowb,
-               BN, D):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+               BN, D, copy):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
     """Key tile: virtual slots ``j0 .. j0+nt-1`` of request ``b``, KV head ``h`` -> ``ktu[d*BN + jj]`` (the fp32
     tile's bits: fp32 bits as they are, bf16 bits shifted into the high half; zeros up to the tile's
-    compute width), true positions ``kp`` (-1 past ``nt``) and physical ``slots``. Returns the tile's
-    smallest valid position (2**62 if none)."""
+    compute width; only if ``copy``), true positions ``kp`` (-1 past ``nt``), physical ``slots`` and the
+    keys' offsets ``rowb`` in ``kraw`` (of d = 0). Returns the tile's smallest valid position (2**62 if none)."""
     kmin = np.int64(1) << np.int64(62)
+    bi = j0 // bs  # block-table column and offset of key jj (no division per key)
+    off = j0 - bi * bs
+    blk = np.int64(bt[b, bi])
     for jj in range(nt):
-        j = j0 + jj
-        blk = np.int64(bt[b, j // bs])
-        off = j % bs
+        if off == bs:
+            bi += 1
+            off = 0
+            blk = np.int64(bt[b, bi])
         slot = blk * bs + off
         slots[jj] = slot
         p = kpos[kp_off + slot]
@@ -147,9 +154,12 @@ def _py_gather(kraw, shift, k_snb, k_sbs, k_sh, k_sd, bt, b, h, j0, nt, bs, kpos
         if p >= 0 and p < kmin:
             kmin = p
         rowb[jj] = blk * k_snb + off * k_sbs + h * k_sh
+        off += 1
     for jj in range(nt, BN):
         kp[jj] = -1
         slots[jj] = 0
+    if not copy:
+        return kmin
     sh = np.uint32(shift)
     BNe = _width(nt, BN)  # noqa: F821
     if k_sbs == 1 and k_sd != 1:
@@ -214,6 +224,45 @@ def _py_scores(qb, r0, G, D, kt, acc, BN, BNe):  # type: ignore[no-untyped-def] 
                 a[jj] += q0 * k0[jj]
 
 
+def _py_scores_direct(qb, r0, G, D, kraw, shift, rowb, j0, nt, bs, k_sd, acc, BN,
+                      BNe):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+    """:func:`_py_scores` read straight from a dim-major cache (unit stride along the block slot, ``bs % 8 == 0``)
+    instead of a gathered tile: per run of the tile's keys inside one block, 16 / 8 keys at a time (vector
+    loads of ``kraw[rowb + d*k_sd ...]``, the key's fp32 bits as the gather would write them), the rest one by
+    one. Every score is the same sum in the same order (from 0, over d in order): the same bits."""
+    sh = np.uint32(shift)
+    jj0 = 0
+    off = j0 % bs  # of the tile's first key; later runs start blocks
+    while jj0 < nt:
+        run = min(bs - off, nt - jj0)
+        n8 = run - run % 8
+        if n8 < run and off + n8 + 8 <= bs and jj0 + n8 + 8 <= BN:
+            # the tile ends inside this block (e.g. a request's partial last block) and 8 more keys stay inside
+            # the block's rows: their scores past ``nt`` land before ``BN`` (zeroed below up to ``BNe``, never
+            # read past it)
+            n8 += 8
+        base = rowb[jj0]
+        for g in range(G):
+            qr = qb[(r0 + g) * D:(r0 + g + 1) * D]
+            o = g * BN + jj0
+            u = 0
+            while u + 16 <= n8:
+                _dot16(qr, kraw, base + u, k_sd, D, acc, o + u)  # noqa: F821
+                u += 16
+            if u < n8:
+                _dot8(qr, kraw, base + u, k_sd, D, acc, o + u)  # noqa: F821
+            for u in range(n8, run):
+                a = _F0
+                for d in range(D):
+                    a += qr[d] * _as_f32(np.uint32(np.uint32(kraw[base + u + d * k_sd]) << sh))  # noqa: F821
+                acc[o + u] = a
+        jj0 += run
+        off = 0
+    for g in range(G):  # the gathered tile's zero keys (never visible: pass 1 masks them the same way)
+        for jj in range(nt, BNe):
+            acc[g * BN + jj] = _F0
+
+
 def _py_visible(kp, qp, vis, BNe):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
     """``vis[jj] = 0 <= kp[jj] <= qp`` for jj < BNe; returns the number of visible keys."""
     cnt = 0
@@ -225,13 +274,15 @@ def _py_visible(kp, qp, vis, BNe):  # type: ignore[no-untyped-def]  # pragma: no
 
 
 def _py_pass1(qb, n_need, qp_n, G, D, kt, kp, kmin, nt, vis, acc, sc, sc_off, cached, tm, ml, ll, nvis, scale, BN,
-              W):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+              W, direct, kraw, shift, rowb, j0, bs, k_sd):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
     """One key tile of pass 1. Each row keeps ``W`` lanes (key ``jj`` of a tile goes to lane ``jj % W``):
     the running max ``ml`` of the visible scores seen so far and the sum ``ll`` of their ``exp(s - ml)``;
     ``nvis[i]`` += visible keys of query ``i``. Per row and tile: the scaled, masked scores
     (``scale * q . k``, ``_NEG`` where not visible) and their lane max ``tm``, then each lane's max and
     sum are updated once (``l *= exp(m_old - m_new)``) and the tile's ``exp(s - m_new)`` added in key order.
-    ``cached``: the scores of query ``i`` stay in ``sc[sc_off + i*G*BN ...]`` for pass 2 (else in ``acc``)."""
+    ``cached``: the scores of query ``i`` stay in ``sc[sc_off + i*G*BN ...]`` for pass 2 (else in ``acc``).
+    ``direct``: the dot products read the cache (:func:`_py_scores_direct`, ``rowb`` of this tile) instead of
+    the tile ``kt`` (not gathered)."""
     BNe = _width(nt, BN)  # noqa: F821
     GB = G * BN
     for i in range(n_need):
@@ -243,7 +294,10 @@ def _py_pass1(qb, n_need, qp_n, G, D, kt, kp, kmin, nt, vis, acc, sc, sc_off, ca
             continue
         nvis[i] += cnt
         buf = sc[sc_off + i * GB:sc_off + (i + 1) * GB] if cached else acc[0:GB]
-        _scores(qb, i * G, G, D, kt, buf, BN, BNe)  # noqa: F821
+        if direct:
+            _scores_direct(qb, i * G, G, D, kraw, shift, rowb, j0, nt, bs, k_sd, buf, BN, BNe)  # noqa: F821
+        else:
+            _scores(qb, i * G, G, D, kt, buf, BN, BNe)  # noqa: F821
         for g in range(G):
             r = i * G + g
             mr = ml[r * W:r * W + W]
@@ -414,6 +468,9 @@ def _py_kernel(qf, kraw, shift, k_snb, k_sbs, k_sh, k_sd, bt, lens, qpos, plen, 
         last_c0 = ((n_tiles - 1) // CT) * CT
         RS = n_need * G * BN  # one tile's cached scores
         cached = n_tiles <= CT and RS * n_tiles <= n_sc  # pass 2 reads pass 1's scores (else recomputes them)
+        # dim-major cache (vLLM's CPU layout) and cached scores: pass 1 reads the keys in place, no key tiles
+        # (pass 2 reads no keys); the tile copy costs more than the dot products it would speed up
+        direct = cached and k_sbs == 1 and k_sd != 1 and bs % 8 == 0
         for h in range(Hkv):
             kp_off = h * kp_rs if per_head else 0
             for i in range(n_need):  # query rows of this KV head: qb[(i*G + g)*D + d]
@@ -434,9 +491,10 @@ def _py_kernel(qf, kraw, shift, k_snb, k_sbs, k_sh, k_sd, bt, lens, qpos, plen, 
                         nt = min(BN, n_len - t * BN)
                         kmins[ti] = _gather(kraw, shift, k_snb, k_sbs, k_sh, k_sd, bt, b, h, t * BN, nt, bs, kpos,  # noqa: F821
                                             kp_off, ktu[ti * TS:(ti + 1) * TS], kps[ti * BN:(ti + 1) * BN],
-                                            slts[ti * BN:(ti + 1) * BN], rowb, BN, D)
+                                            slts[ti * BN:(ti + 1) * BN], rowb, BN, D, not direct)
                         _pass1(qb, n_need, qp_n, G, D, kts[ti * TS:(ti + 1) * TS], kps[ti * BN:(ti + 1) * BN],  # noqa: F821
-                               kmins[ti], nt, vis, acc, sc, ti * RS, cached, tm, ml, ll, nvis, scale, BN, W)
+                               kmins[ti], nt, vis, acc, sc, ti * RS, cached, tm, ml, ll, nvis, scale, BN, W,
+                               direct, kraw, shift, rowb, t * BN, bs, k_sd)
                 # merge the lanes of each row: m = max, l = sum_lanes l_lane * exp(m_lane - m) (lane order)
                 for r in range(n_need * G):
                     mr = ml[r * W:(r + 1) * W]
@@ -462,7 +520,7 @@ def _py_kernel(qf, kraw, shift, k_snb, k_sbs, k_sh, k_sd, bt, lens, qpos, plen, 
                     if n_need == 0 or c0 != last_c0:
                         kmins[ti] = _gather(kraw, shift, k_snb, k_sbs, k_sh, k_sd, bt, b, h, t * BN, nt, bs, kpos,  # noqa: F821
                                             kp_off, ktu[ti * TS:(ti + 1) * TS], kps[ti * BN:(ti + 1) * BN],
-                                            slts[ti * BN:(ti + 1) * BN], rowb, BN, D)
+                                            slts[ti * BN:(ti + 1) * BN], rowb, BN, D, n_need > 0 and not cached)
                     _pass2(qb, n_need, qp_n, fl_n, w_n, thr_n, nvis, m, invl, G, D, kts[ti * TS:(ti + 1) * TS],  # noqa: F821
                            kps[ti * BN:(ti + 1) * BN], kmins[ti], nt, vis, acc, sc, ti * RS, cached,
                            P, a_sum, a_last, a_win, a_low,
@@ -562,13 +620,82 @@ def _load() -> Any:
 
             return types.void(kraw, rowb, jb, d0, ktu, bn), codegen
 
+        def dot(nv: int) -> Any:
+            """Intrinsic for ``nv * 8`` consecutive keys: ``out[o + u] = sum_d qr[d] * key(kraw[base + d*k_sd + u])``
+            (u < 8 nv; keys' bf16 bits widened into the high half of the fp32 bits), each sum fp32 from 0 over
+            d in order (IEEE fmul then fadd, no contraction): ``nv`` vector accumulators, one vector load per
+            8 keys and d, one store each at the end."""
+
+            @intrinsic
+            def dot_n(typingctx, qr, kraw, base, k_sd, D, out, o):  # type: ignore[no-untyped-def]
+                if not (isinstance(kraw, types.Array) and kraw.dtype in (types.uint32, types.uint16)
+                        and isinstance(qr, types.Array) and qr.dtype == types.float32
+                        and isinstance(out, types.Array) and out.dtype == types.float32):
+                    return None
+
+                def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+                    qty, kty, bty, sty, dty, oty, ooty = signature.args
+                    q_a = context.make_array(qty)(context, builder, args[0])
+                    k_a = context.make_array(kty)(context, builder, args[1])
+                    o_a = context.make_array(oty)(context, builder, args[5])
+                    i64 = ir.IntType(64)
+                    base_, ksd_, D_, o_ = (context.cast(builder, args[n], t, types.int64)
+                                           for n, t in ((2, bty), (3, sty), (4, dty), (6, ooty)))
+                    wide = kty.dtype == types.uint16
+                    elt = ir.IntType(16 if wide else 32)
+                    v32 = ir.VectorType(ir.IntType(32), 8)
+                    vf = ir.VectorType(ir.FloatType(), 8)
+                    zero = ir.Constant(vf, [0.0] * 8)
+                    pre = builder.block
+                    loop = builder.append_basic_block("dot.loop")
+                    done = builder.append_basic_block("dot.done")
+                    builder.cbranch(builder.icmp_signed(">", D_, ir.Constant(i64, 0)), loop, done)
+                    builder.position_at_end(loop)
+                    d = builder.phi(i64)
+                    accs = [builder.phi(vf) for _ in range(nv)]
+                    qd = builder.load(builder.gep(q_a.data, [d]))
+                    qv = builder.shuffle_vector(
+                        builder.insert_element(ir.Constant(vf, ir.Undefined), qd, ir.Constant(ir.IntType(32), 0)),
+                        ir.Constant(vf, ir.Undefined), ir.Constant(v32, [0] * 8))
+                    row = builder.add(base_, builder.mul(d, ksd_))
+                    nxt = []
+                    for v in range(nv):
+                        p = builder.gep(k_a.data, [builder.add(row, ir.Constant(i64, 8 * v))])
+                        kv = builder.load(builder.bitcast(p, ir.VectorType(elt, 8).as_pointer()), align=elt.width // 8)
+                        if wide:
+                            kv = builder.shl(builder.zext(kv, v32), ir.Constant(v32, [16] * 8))
+                        nxt.append(builder.fadd(accs[v], builder.fmul(qv, builder.bitcast(kv, vf))))
+                    d1 = builder.add(d, ir.Constant(i64, 1))
+                    d.add_incoming(ir.Constant(i64, 0), pre)
+                    d.add_incoming(d1, loop)
+                    for a, n in zip(accs, nxt, strict=True):
+                        a.add_incoming(zero, pre)
+                        a.add_incoming(n, loop)
+                    builder.cbranch(builder.icmp_signed("<", d1, D_), loop, done)
+                    builder.position_at_end(done)
+                    res = [builder.phi(vf) for _ in range(nv)]
+                    for r, n in zip(res, nxt, strict=True):
+                        r.add_incoming(zero, pre)
+                        r.add_incoming(n, loop)
+                    for v, r in enumerate(res):
+                        dst = builder.gep(o_a.data, [builder.add(o_, ir.Constant(i64, 8 * v))])
+                        builder.store(r, builder.bitcast(dst, vf.as_pointer()), align=4)
+                    return context.get_dummy_value()
+
+                return types.void(qr, kraw, base, k_sd, D, out, o), codegen
+
+            return dot_n
+
         g = globals()
         g["_as_f32"] = as_f32
         g["_tr8"] = tr8
+        g["_dot8"] = dot(1)
+        g["_dot16"] = dot(2)
         opts = {"cache": True, "nogil": True, "fastmath": False}
         g["_fexp"] = numba.njit(inline="always", **opts)(_py_fexp)
         g["_gather"] = numba.njit(**opts)(_py_gather)
         g["_scores"] = numba.njit(**opts)(_py_scores)
+        g["_scores_direct"] = numba.njit(**opts)(_py_scores_direct)
         g["_visible"] = numba.njit(inline="always", **opts)(_py_visible)
         g["_width"] = numba.njit(inline="always", **opts)(_py_width)
         g["_pass1"] = numba.njit(**opts)(_py_pass1)
@@ -629,8 +756,9 @@ def update_attn_stats_cpu(
     present are computed) in place for one layer and one step, exactly like the Triton
     ``update_attn_stats`` (same arguments): ``query [B, Q, H_q, D]``, ``key_cache [NB, bs, H_kv, D]``
     (float32 or bfloat16, any strides: a unit stride along D takes the vectorised 8 x 8 gather, a unit stride
-    along the block slot (vLLM's CPU layout stores K dim-major) contiguous per-dim copies, another the scalar
-    one; same bits),
+    along the block slot (vLLM's CPU layout stores K dim-major) contiguous per-dim copies or, with a block size
+    that is a multiple of 8 and cached scores, no copy (dot products read the cache), another the scalar one;
+    same bits),
     ``block_tables [B, max_blocks]``, ``cache_lens [B]``, ``query_pos [B, Q]`` (-1 = padding),
     ``key_positions [H_kv or 1, S]`` (-1 = dead), ``prompt_lens [B]`` (default: the end of this step).
     ``block_n`` = key tile width (default 128 for D <= 64, else 64); ``num_warps`` is ignored (GPU only)."""

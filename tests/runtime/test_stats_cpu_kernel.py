@@ -235,6 +235,43 @@ def test_dim_major_keys_give_the_same_bits(dtype: torch.dtype, block_n: int | No
         assert torch.equal(got[n], want[n]), n
 
 
+@pytest.mark.parametrize("bs", [8, 12, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dim_major_in_place_scores_give_the_same_bits(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
+                                                      bs: int) -> None:
+    """vLLM's CPU region layout (K dim-major, then V, per (block, head)) with a block size that is a multiple of 8
+    and cached scores: pass 1 reads the keys in place (16 / 8 keys per vector; a request's partial last block 8
+    at a time, reading past its length inside the block; tiles cutting blocks key by key) and gives exactly the
+    bits of the gathered tiles: of the unit-stride layout and of the same memory without the score cache (tile
+    copies; bs 12: always). Decode and short steps, SmolLM2's heads (3 KV heads, GQA 3, D 64), four requests."""
+    for Q, block_n in ((1, None), (3, None), (1, 24), (2, 5)):
+        query, key_cache, bt, lens, qpos, kpos, S = _case(13 + Q, 4, Q, 3, 3, 64, bs, True, dtype, False)
+        lens[0] = 4 * bs - 3  # a partial last block, ending past a vector's 8 keys
+        lens[1] = 4 * bs  # whole blocks
+        for r in range(2):  # plain decode requests: positions 0 .. len-1, the last one's query
+            for j in range(int(lens[r])):
+                kpos[:, int(bt[r, j // bs]) * bs + j % bs] = j
+            qpos[r] = -1
+            qpos[r, 0] = int(lens[r]) - 1
+        NB, _, H, D = key_cache.shape
+        region = torch.randn(NB, H, 2, D, bs).to(dtype)  # V's (random) elements follow K's in each region
+        region[:, :, 0] = key_cache.permute(0, 2, 3, 1)
+        dim_major = region[:, :, 0].permute(0, 3, 1, 2)  # [NB, bs, H, D] view, strides (H*2*D*bs, 1, 2*D*bs, bs)
+        assert dim_major.stride()[1::2] == (1, bs) and torch.equal(dim_major, key_cache)
+        base = {n: torch.rand(H, S, generator=torch.Generator().manual_seed(4)) for n in STAT_NAMES}
+        want = {n: v.clone() for n, v in base.items()}
+        got = {n: v.clone() for n, v in base.items()}
+        update_attn_stats_cpu(query, key_cache, bt, lens, qpos, kpos, want, block_n=block_n)
+        update_attn_stats_cpu(query, dim_major, bt, lens, qpos, kpos, got, block_n=block_n)
+        with monkeypatch.context() as mp:
+            mp.setattr(ck, "SCORE_BYTES", 0)
+            tiles = {n: v.clone() for n, v in base.items()}
+            update_attn_stats_cpu(query, dim_major, bt, lens, qpos, kpos, tiles, block_n=block_n)
+        for n in STAT_NAMES:
+            assert torch.equal(got[n], want[n]), (n, Q, block_n)
+            assert torch.equal(tiles[n], want[n]), (n, Q, block_n)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_score_cache_is_bit_identical(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
     """Pass 2 reading pass 1's cached scores gives the bits of recomputing them (no cache, a cache too small
