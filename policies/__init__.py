@@ -15,7 +15,7 @@ MODULES = {"h2o": "h2o", "scissorhands": "scissorhands", "random": "random_evict
            "streaming_llm": "streaming_llm", "snapkv": "snapkv", "tova": "tova", "knorm": "knorm",
            "observed_attention": "observed_attention", "keydiff": "keydiff",
            "expected_attention": "expected_attention", "chunkkv": "chunkkv", "cur": "cur",
-           "diverse_hitters": "diverse_hitters"}
+           "diverse_hitters": "diverse_hitters", "snap_observed": "snap_observed"}
 
 
 def names() -> list[str]:

@@ -33,6 +33,7 @@ CASES: list[tuple[str, dict[str, Any]]] = [
     ("query_dot", {}),
     ("expected_attention", {}),
     ("diverse_hitters", {}),
+    ("snap_observed", {}),
 ]
 
 

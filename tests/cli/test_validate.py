@@ -58,7 +58,8 @@ def test_shipped_policies_validate_and_every_check_is_shown() -> None:
         by_policy.setdefault(r["policy"], set()).add(r["check"])
         assert r["ok"], r
     assert set(by_policy) == {"h2o", "scissorhands", "random", "streaming_llm", "snapkv", "tova", "knorm", "observed_attention", "keydiff",
-        "expected_attention", "chunkkv", "cur", "diverse_hitters"}
+        "expected_attention", "chunkkv", "cur", "diverse_hitters",
+        "snap_observed"}
     for checks in by_policy.values():
         assert checks == set(report["checks"])
 
@@ -195,7 +196,8 @@ def test_list_shows_shipped_policies() -> None:
     assert res.exit_code == 0
     names = {p["name"] for p in json.loads(res.stdout)}
     assert names == {"h2o", "scissorhands", "random", "streaming_llm", "snapkv", "tova", "knorm", "observed_attention", "keydiff",
-        "expected_attention", "chunkkv", "cur", "diverse_hitters"}
+        "expected_attention", "chunkkv", "cur", "diverse_hitters",
+        "snap_observed"}
     res = runner.invoke(app, ["list"])
     assert "h2o" in res.stdout and "attn_sum" in res.stdout
 
