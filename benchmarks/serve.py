@@ -42,7 +42,7 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +53,7 @@ ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobi
        "VLLM_LOGGING_LEVEL": "WARNING"}
 
 WHEN = ("prefill", "chunks")
+ONLY = ("all", "stats-cost")  # ServeConfig.only: the whole report, or (c)'s statistics cost alone
 MODES = {"naive": "naive", "vtoken": "compact"}  # row label -> plugin mode
 Trace = list[tuple[list[int], int]]  # [(prompt ids, max_tokens)]
 
@@ -96,6 +97,9 @@ class ServeConfig:
     overhead_requests: int = 1
     seed: int = 0
     model: str | None = None
+    # "stats-cost": only (c)'s H2O 0.5 vs policy none runs (the same engines, trace, rounds and report fields as
+    # the full benchmark's ``stats_cost``), without (a), (b) and the overhead trio: minutes, not the whole run
+    only: str = "all"
 
     def goodput_keys(self) -> set[tuple[str, str, float]] | None:
         """``goodput_rows`` as ``{(mode, policy, ratio)}`` (None: every row)."""
@@ -126,6 +130,8 @@ class ServeConfig:
                    rounds=3, rebuild=False, overhead_requests=1, throughput_rounds=3, throughput_requests=None)
 
     def validate(self) -> None:
+        if self.only not in ONLY:
+            raise ValueError(f"only={self.only!r}; expected one of {ONLY}")
         if self.when not in WHEN:
             raise ValueError(f"when={self.when!r}; expected one of {WHEN}")
         if bad := [m for m in self.modes if m not in MODES]:
@@ -209,10 +215,17 @@ def summarize_interleaved(wall: dict[str, list[float]], cpu: dict[str, list[floa
             ref = [math.sqrt(a * b) for a, b in zip(xs["vanilla"], xs["vanilla_b"], strict=True)]
             v, sp = pct(paired_ratio(tok_s(xs["none"]), tok_s(ref)))
             overhead.update({key: v, f"{key}_spread": sp})
+    return overhead, summarize_stats_cost(wall, cpu, stats_ref)
+
+
+def summarize_stats_cost(wall: dict[str, list[float]], cpu: dict[str, list[float]],
+                         stats_ref: str = "none") -> dict[str, Any]:
+    """H2O's per-round seconds (``h2o``) against ``stats_ref``'s (policy none's runs, paired by round):
+    medians, spreads and the ratio with the ``[min, max]`` of the per-round ratios, wall and CPU time."""
     nw, nc = wall[stats_ref], cpu[stats_ref]
     sr = paired_ratio(wall["h2o"], nw)
     sc = paired_ratio(cpu["h2o"], nc)
-    stats_cost = {"none_s": round(statistics.median(nw), 3),
+    return {"none_s": round(statistics.median(nw), 3),
                   "h2o_s": round(statistics.median(wall["h2o"]), 3),
                   "none_s_spread": _r(spread(nw), 3), "h2o_s_spread": _r(spread(wall["h2o"]), 3),
                   "ratio": round(sr["ratio"], 3),
@@ -222,7 +235,6 @@ def summarize_interleaved(wall: dict[str, list[float]], cpu: dict[str, list[floa
                   "ratio_cpu": round(sc["ratio"], 3),
                   "ratio_cpu_spread": {"min": round(sc["min"], 3), "max": round(sc["max"], 3)},
                   "ratio_cpu_fastest": round(min(cpu["h2o"]) / min(nc), 3)}
-    return overhead, stats_cost
 
 
 def summarize_throughput(vanilla: Sequence[RunResult], vtoken: Sequence[RunResult]) -> dict[str, Any]:
@@ -679,6 +691,96 @@ def _warm(llm: Any, trace: Trace) -> None:
     run_trace(llm, [(trace[0][0][:64], 2)])
 
 
+def stats_cost_specs(cfg: ServeConfig) -> tuple[dict[str, dict[str, Any]], tuple[str, ...]]:
+    """The engines of the statistics cost (plugin args by name) and the names run alone each round: policy
+    none and H2O 0.5, plus H2O with a one-block slack unless the rows already use a slack (the same
+    statistics every step, the policy and the compaction once per block of decode)."""
+    specs = {"none": {"policy": "none", "eviction_ratio": 0.5, "when": cfg.when}, "h2o": plugin_args(cfg, "h2o", 0.5)}
+    if not cfg.slack:
+        specs["h2o_slack"] = {**plugin_args(cfg, "h2o", 0.5), "slack": cfg.block_size}
+    return specs, tuple(specs)
+
+
+def run_alone(keep: dict[str, Any], order: Sequence[str], trace: Trace, wall: dict[str, list[float]],
+              cpu: dict[str, list[float]], parts: dict[str, list[float]]) -> None:
+    """One round of the statistics cost: each engine of ``order`` runs ``trace`` alone; its seconds are
+    appended (policy none's under ``none_alone``), and for H2O where its extra time went (``parts``: the
+    statistics collector, the policy, the compaction, the evictions)."""
+    for name in order:
+        s0, c0 = stats_seconds(keep[name]), _runner(keep[name]).vtoken_counters
+        res = run_trace(keep[name], trace)
+        if name == "h2o":
+            s1, c1 = stats_seconds(keep[name]), _runner(keep[name]).vtoken_counters
+            parts["statistics_s"].append((s1 or 0.0) - (s0 or 0.0))
+            for k, c in (("policy_s", "policy_seconds"), ("reclaim_s", "reclaim_seconds"), ("evictions", "evictions")):
+                parts[k].append(float(c1.get(c, 0.0) - c0.get(c, 0.0)))
+        key = "none_alone" if name == "none" else name
+        wall[key].append(res.seconds)
+        cpu[key].append(res.cpu_seconds)
+
+
+def finish_stats_cost(stats_cost: dict[str, Any], cfg: ServeConfig, wall: dict[str, list[float]],
+                      cpu: dict[str, list[float]], parts: dict[str, list[float]], alone: Sequence[str],
+                      requests: int) -> dict[str, Any]:
+    """``stats_cost`` with the settings, H2O's parts (medians over the rounds) and the slack variant."""
+    stats_cost.update(policy="h2o", eviction_ratio=0.5, mode="vtoken", when=cfg.when, slack=cfg.slack,
+                      rounds=cfg.rounds, requests=requests)
+    if parts["evictions"]:  # medians over the rounds of H2O's alone runs
+        stats_cost["h2o_parts"] = {k: round(statistics.median(v), 3) for k, v in parts.items()}
+    if "h2o_slack" in alone:
+        pr, pc = paired_ratio(wall["h2o_slack"], wall["none_alone"]), paired_ratio(cpu["h2o_slack"], cpu["none_alone"])
+        stats_cost.update(slack_variant=cfg.block_size, h2o_slack_s=round(statistics.median(wall["h2o_slack"]), 3),
+                          h2o_slack_s_spread=_r(spread(wall["h2o_slack"]), 3), ratio_slack=round(pr["ratio"], 3),
+                          ratio_slack_spread={"min": round(pr["min"], 3), "max": round(pr["max"], 3)},
+                          ratio_slack_cpu=round(pc["ratio"], 3),
+                          ratio_slack_cpu_spread={"min": round(pc["min"], 3), "max": round(pc["max"], 3)})
+    return stats_cost
+
+
+def round_engines(keep: dict[str, Any], build: Sequence[str], specs: Mapping[str, dict[str, Any] | None],
+                  model_dir: str, cfg: ServeConfig, max_num_seqs: int, trace: Trace) -> dict[str, Any]:
+    """The engines of an interleaved round: ``keep`` as it is, or (``cfg.rebuild``, or none built yet) the
+    old ones freed and ``specs`` built afresh and warmed in the round's rotated ``build`` order."""
+    if keep and not cfg.rebuild:
+        return keep
+    for llm in keep.values():
+        _free(llm)
+    fresh: dict[str, Any] = {}
+    for name in build:
+        fresh[name] = build_engine(model_dir, cfg, specs[name], max_num_seqs=max_num_seqs)
+        _warm(fresh[name], trace)
+    return fresh
+
+
+def alone_orders(alone: Sequence[str], rounds: int) -> list[list[str]]:
+    """ABBA for two engines, the rotating cycle of :func:`interleaved_order` for more."""
+    return pair_order(*alone, rounds) if len(alone) == 2 else interleaved_order(alone, rounds)
+
+
+def run_stats_cost_only(cfg: ServeConfig, model_dir: str, trace: Trace, n_oh: int, max_num_seqs: int,
+                        log: Callable[[str], None], el: Callable[[], str]) -> dict[str, Any]:
+    """``--only stats-cost``: (c)'s statistics cost alone (H2O 0.5 vs policy none, and the slack variant,
+    each running the trace's first ``n_oh`` requests alone, the order rotating per round; engines rebuilt
+    every round in a rotated order when ``cfg.rebuild``)."""
+    specs, alone = stats_cost_specs(cfg)
+    wall: dict[str, list[float]] = {k: [] for k in (*alone, "none_alone")}
+    cpu: dict[str, list[float]] = {k: [] for k in (*alone, "none_alone")}
+    parts: dict[str, list[float]] = {"statistics_s": [], "policy_s": [], "reclaim_s": [], "evictions": []}
+    keep: dict[str, Any] = {}
+    for rnd, (order, build) in enumerate(zip(alone_orders(alone, cfg.rounds), interleaved_order(alone, cfg.rounds),
+                                             strict=True)):
+        keep = round_engines(keep, build, specs, model_dir, cfg, max_num_seqs, trace)
+        run_alone(keep, order, trace[:n_oh], wall, cpu, parts)
+        log(f"round {rnd + 1}: " + ", ".join(f"{k} {wall['none_alone' if k == 'none' else k][-1]:.2f}s "
+                                             f"(cpu {cpu['none_alone' if k == 'none' else k][-1]:.2f}s)"
+                                             for k in order) + f" {el()}")
+    backend = stats_backend(keep["h2o"])
+    for llm in keep.values():
+        _free(llm)
+    return {**finish_stats_cost(summarize_stats_cost(wall, cpu, "none_alone"), cfg, wall, cpu, parts, alone, n_oh),
+            "stats_backend": backend}
+
+
 # ============================================================================ the benchmark
 def unloaded(llm: Any, trace: Trace, clock: str = "wall") -> tuple[list[float], list[float]]:
     """TTFTs and TPOTs of the requests run one at a time."""
@@ -821,6 +923,16 @@ def run_serve_benchmark(cfg: ServeConfig, log: Callable[[str], None] = print) ->
     el = lambda: f"[{time.perf_counter() - t_start:.0f}s]"  # noqa: E731
     log(f"trace: {n} requests, prompts {cfg.prompt_tokens} (mean {np.mean([len(p) for p, _ in trace]):.0f}), "
         f"outputs {cfg.output_tokens}; KV budget {cfg.kv_blocks} blocks of {cfg.block_size}; when={cfg.when}")
+    if cfg.only == "stats-cost":
+        stats_cost = run_stats_cost_only(cfg, model_dir, trace, n_oh, n, log, el)
+        log(f"H2O/none {stats_cost['ratio']}x {stats_cost['ratio_spread']} wall, {stats_cost['ratio_cpu']}x "
+            f"{stats_cost['ratio_cpu_spread']} CPU {el()}")
+        config = {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.__dict__.items()}
+        config.update(prompt_tokens_mean=round(float(np.mean([len(p) for p, _ in oh_trace])), 1),
+                      output_tokens_mean=round(float(np.mean([m for _, m in oh_trace])), 1),
+                      stats_backend=stats_cost.pop("stats_backend"))
+        return {"stats_cost": stats_cost, "config": config, "seconds": round(time.perf_counter() - t_start, 1),
+                "cpu_seconds": round(time.process_time() - c_start, 1)}
 
     # (a) concurrency rows. Vanilla and vToken H2O at 0.5 run ``tp_trace`` (the first
     # ``throughput_requests``) in lockstep (one engine step each in turn, the order alternating per round)
@@ -920,14 +1032,10 @@ def run_serve_benchmark(cfg: ServeConfig, log: Callable[[str], None] = print) ->
 
     _free(van)
     keep: dict[str, Any] = {}
+    sc_specs, alone = stats_cost_specs(cfg)
     specs: dict[str, dict[str, Any] | None] = {
-        "vanilla": None, "none": {"policy": "none", "eviction_ratio": 0.5, "when": cfg.when}, "vanilla_b": None,
-        "h2o": plugin_args(cfg, "h2o", 0.5)}
-    # H2O with a one-block slack as well (unless the rows already use a slack): the same statistics every
-    # step, the policy and the compaction once per block of decode
-    alone = ("none", "h2o") + (("h2o_slack",) if not cfg.slack else ())
-    if not cfg.slack:
-        specs["h2o_slack"] = {**plugin_args(cfg, "h2o", 0.5), "slack": cfg.block_size}
+        "vanilla": None, "none": sc_specs["none"], "vanilla_b": None, "h2o": sc_specs["h2o"],
+        **{k: v for k, v in sc_specs.items() if k not in ("none", "h2o")}}
     wall: dict[str, list[float]] = {k: [] for k in (*specs, "none_alone")}
     cpu: dict[str, list[float]] = {k: [] for k in (*specs, "none_alone")}
     none_steps, tokens, ind_s, ind_steps = 0, 0, 0.0, 0
@@ -935,16 +1043,9 @@ def run_serve_benchmark(cfg: ServeConfig, log: Callable[[str], None] = print) ->
     parts: dict[str, list[float]] = {"statistics_s": [], "policy_s": [], "reclaim_s": [], "evictions": []}
     trio = ("vanilla", "none", "vanilla_b")
     for rnd, (order, pair, build) in enumerate(zip(interleaved_order(trio, cfg.rounds),
-                                                   (pair_order(*alone, cfg.rounds) if len(alone) == 2
-                                                    else interleaved_order(alone, cfg.rounds)),
+                                                   alone_orders(alone, cfg.rounds),
                                                    interleaved_order(tuple(specs), cfg.rounds), strict=True)):
-        if cfg.rebuild or not keep:
-            for llm in keep.values():
-                _free(llm)
-            keep = {}
-            for name in build:
-                keep[name] = build_engine(model_dir, cfg, specs[name], max_num_seqs=n)
-                _warm(keep[name], trace)
+        keep = round_engines(keep, build, specs, model_dir, cfg, n, trace)
         # overhead: the three statistics-free engines in lockstep (similar steps, so none of them leaves
         # the caches colder for its successor than the others do)
         c0 = _runner(keep["none"]).vtoken_counters
@@ -961,18 +1062,7 @@ def run_serve_benchmark(cfg: ServeConfig, log: Callable[[str], None] = print) ->
                 none_steps += g.probe.steps
         # statistics cost: policy none and H2O (and H2O with slack), each running the trace alone, the order
         # rotating over rounds
-        for name in pair:
-            s0, c0 = stats_seconds(keep[name]), _runner(keep[name]).vtoken_counters
-            res = run_trace(keep[name], oh_trace)
-            if name == "h2o":
-                s1, c1 = stats_seconds(keep[name]), _runner(keep[name]).vtoken_counters
-                parts["statistics_s"].append((s1 or 0.0) - (s0 or 0.0))
-                for k, c in (("policy_s", "policy_seconds"), ("reclaim_s", "reclaim_seconds"),
-                             ("evictions", "evictions")):
-                    parts[k].append(float(c1.get(c, 0.0) - c0.get(c, 0.0)))
-            key = "none_alone" if name == "none" else name
-            wall[key].append(res.seconds)
-            cpu[key].append(res.cpu_seconds)
+        run_alone(keep, pair, oh_trace, wall, cpu, parts)
         log(f"round {rnd + 1}: " + ", ".join(f"{k} {wall[k][-1]:.2f}s (cpu {cpu[k][-1]:.2f}s)"
                                              for k in (*order, "none_alone", *alone[1:])) + f" {el()}")
     for llm in keep.values():
@@ -983,17 +1073,7 @@ def run_serve_benchmark(cfg: ServeConfig, log: Callable[[str], None] = print) ->
     overhead.update(indirection_ms_per_step=round(ind_ms, 4), step_ms=round(step_ms, 2),
                     indirection_pct_of_step=round(100.0 * ind_ms / step_ms, 3) if step_ms else None,
                     rounds=cfg.rounds, rebuilt_per_round=cfg.rebuild, requests=n_oh, output_tokens=tokens)
-    stats_cost.update(policy="h2o", eviction_ratio=0.5, mode="vtoken", when=cfg.when, slack=cfg.slack,
-                      rounds=cfg.rounds, requests=n_oh)
-    if parts["evictions"]:  # medians over the rounds of H2O's alone runs
-        stats_cost["h2o_parts"] = {k: round(statistics.median(v), 3) for k, v in parts.items()}
-    if "h2o_slack" in alone:
-        pr, pc = paired_ratio(wall["h2o_slack"], wall["none_alone"]), paired_ratio(cpu["h2o_slack"], cpu["none_alone"])
-        stats_cost.update(slack_variant=cfg.block_size, h2o_slack_s=round(statistics.median(wall["h2o_slack"]), 3),
-                          h2o_slack_s_spread=_r(spread(wall["h2o_slack"]), 3), ratio_slack=round(pr["ratio"], 3),
-                          ratio_slack_spread={"min": round(pr["min"], 3), "max": round(pr["max"], 3)},
-                          ratio_slack_cpu=round(pc["ratio"], 3),
-                          ratio_slack_cpu_spread={"min": round(pc["min"], 3), "max": round(pc["max"], 3)})
+    finish_stats_cost(stats_cost, cfg, wall, cpu, parts, alone, n_oh)
     log(f"overhead {overhead['overhead_pct']}% {overhead['overhead_pct_spread']}; H2O/none "
         f"{stats_cost['ratio']}x {stats_cost['ratio_spread']} {el()}")
 

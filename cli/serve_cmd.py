@@ -77,8 +77,31 @@ def _fmt(x: Any, spec: str = "g") -> str:
     return "-" if x is None else format(x, spec)
 
 
+def print_stats_cost(s: dict[str, Any], c: dict[str, Any]) -> None:
+    """The statistics cost line (H2O vs policy none, paired rounds) and where H2O's extra time went."""
+    out.print(f"stats cost, H2O ({s['mode']} {s['eviction_ratio']}) vs policy none: {s['h2o_s']} s vs {s['none_s']} s "
+              f"= {s['ratio']}x {_sp(s, 'ratio')} wall, {s['ratio_cpu']}x {_sp(s, 'ratio_cpu')} CPU time "
+              f"(statistics backend: {c.get('stats_backend')})"
+              + (f"; with a {s['slack_variant']}-token slack {s['h2o_slack_s']} s = {s['ratio_slack']}x "
+                 f"{_sp(s, 'ratio_slack')} wall, {s['ratio_slack_cpu']}x {_sp(s, 'ratio_slack_cpu')} CPU"
+                 if "ratio_slack" in s else ""))
+    if hp := s.get("h2o_parts"):
+        ev = max(1.0, hp["evictions"])
+        out.print(f"  H2O's extra time, per run (medians): statistics {hp['statistics_s']} s; {hp['evictions']:.0f} "
+                  f"evictions: policy {hp['policy_s']} s ({1e3 * hp['policy_s'] / ev:.1f} ms each), compaction "
+                  f"{hp['reclaim_s']} s ({1e3 * hp['reclaim_s'] / ev:.1f} ms each)")
+
+
 def print_report(result: dict[str, Any]) -> None:
     c = result["config"]
+    if "rows" not in result:  # --only stats-cost
+        s = result["stats_cost"]
+        out.print(f"{s['requests']} request(s) alone (prompt tokens {c['prompt_tokens_mean']:.0f}, outputs "
+                  f"{c['output_tokens_mean']:.0f}), {s['rounds']} interleaved rounds, when={c['when']}, chunks of "
+                  f"{c['chunk_tokens']}")
+        print_stats_cost(s, c)
+        out.print(f"{result['seconds']} s total ({result.get('cpu_seconds')} s of CPU time)")
+        return
     (p0, p1), (o0, o1) = c["prompt_tokens"], c["output_tokens"]
     table = Table(title=f"vLLM serving at a fixed KV budget ({result['kv_cache_memory_bytes'] / 2**20:.0f} MiB = "
                         f"{c['kv_blocks']} blocks x {c['block_size']} tokens), {c['num_requests']} essay prompts of "
@@ -112,17 +135,7 @@ def print_report(result: dict[str, Any]) -> None:
               f"{_pct(o, 'overhead_pct_bracketed_cpu')} against the vanilla engines built before and after it; "
               f"A/A control (two vanilla engines): {_pct(o, 'aa_pct_cpu')}; indirection "
               f"{o['indirection_ms_per_step']} ms of a {o['step_ms']} ms step")
-    out.print(f"stats cost, H2O ({s['mode']} {s['eviction_ratio']}) vs policy none: {s['h2o_s']} s vs {s['none_s']} s "
-              f"= {s['ratio']}x {_sp(s, 'ratio')} wall, {s['ratio_cpu']}x {_sp(s, 'ratio_cpu')} CPU time "
-              f"(statistics backend: {c.get('stats_backend')})"
-              + (f"; with a {s['slack_variant']}-token slack {s['h2o_slack_s']} s = {s['ratio_slack']}x "
-                 f"{_sp(s, 'ratio_slack')} wall, {s['ratio_slack_cpu']}x {_sp(s, 'ratio_slack_cpu')} CPU"
-                 if "ratio_slack" in s else ""))
-    if hp := s.get("h2o_parts"):
-        ev = max(1.0, hp["evictions"])
-        out.print(f"  H2O's extra time, per run (medians): statistics {hp['statistics_s']} s; {hp['evictions']:.0f} "
-                  f"evictions: policy {hp['policy_s']} s ({1e3 * hp['policy_s'] / ev:.1f} ms each), compaction "
-                  f"{hp['reclaim_s']} s ({1e3 * hp['reclaim_s'] / ev:.1f} ms each)")
+    print_stats_cost(s, c)
     out.print(f"{result['seconds']} s total ({result.get('cpu_seconds')} s of CPU time); seed paper: 2x max "
               "concurrency, 1.37x SLA throughput, < 1% overhead")
 
@@ -187,6 +200,9 @@ def serve(
                                                    "request holds budget + slack, e.g. 32 = one block")] = 0,
     rebuild: Annotated[bool | None, typer.Option(help="build the overhead / stats-cost engines afresh every round, in a "
                                                "rotated order (instance effects become spread, not bias); default: yes, --quick: no")] = None,
+    only: Annotated[str, typer.Option(help="all (the whole report) or stats-cost (only H2O 0.5 vs policy none "
+                                           "alone, interleaved --rounds: minutes, not the whole run; no plot)")]
+    = "all",
     model: Annotated[str | None, typer.Option(help="model directory (default: SmolLM2-135M-Instruct)")] = None,
     plot: Annotated[Path, typer.Option(help="PNG plot path")] = Path("results/bench_serve.png"),
     as_json: Annotated[Path | None, typer.Option("--json", help="write the JSON report here")] = None,
@@ -213,7 +229,7 @@ def serve(
                             ("throughput_requests", throughput_requests), ("workers", workers)):
             if value is not None:
                 setattr(cfg, name, value)
-        cfg.when, cfg.model, cfg.clock, cfg.slack = when, model, clock, slack
+        cfg.when, cfg.model, cfg.clock, cfg.slack, cfg.only = when, model, clock, slack, only
         if rebuild is not None:
             cfg.rebuild = rebuild
         cfg.ttft_slo_factor, cfg.tpot_slo_factor, cfg.slo_attainment = ttft_slo_factor, tpot_slo_factor, slo_attainment
@@ -223,8 +239,9 @@ def serve(
         raise typer.Exit(2) from None
     result = bench.run_serve_benchmark(cfg, log=lambda m: err.print(m, highlight=False))
     print_report(result)
-    plot_serve(result, plot)
-    err.print(f"plot: {plot}")
+    if "rows" in result:
+        plot_serve(result, plot)
+        err.print(f"plot: {plot}")
     if as_json:
         as_json.parent.mkdir(parents=True, exist_ok=True)
         as_json.write_text(json.dumps(result, indent=2))

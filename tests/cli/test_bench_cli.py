@@ -137,6 +137,33 @@ def test_bench_serve_tiny_trace_json_schema_and_gains(tmp_path: Path) -> None:
     assert "goodput" in res.stdout and "stats cost" in res.stdout and "closed-loop throughput" in res.stdout
 
 
+@pytest.mark.vllm
+def test_bench_serve_only_stats_cost_runs_the_paired_rounds_alone(tmp_path: Path) -> None:
+    """`--only stats-cost`: H2O 0.5, policy none and H2O with a one-block slack run the first request alone,
+    interleaved; the report is the full benchmark's `stats_cost` object (no rows, no plot)."""
+    out, png = tmp_path / "s.json", tmp_path / "s.png"
+    res = runner.invoke(app, ["bench", "serve", "--only", "stats-cost", "--requests", "2", "--prompt-tokens", "96,128",
+                              "--output-tokens", "8,12", "--vanilla-target", "2", "--chunk", "64", "--step-tokens",
+                              "128", "--rounds", "2", "--no-rebuild", "--json", str(out), "--plot", str(png)])
+    assert res.exit_code == 0, res.output
+    d = json.loads(out.read_text())
+    assert "rows" not in d and "overhead" not in d and not png.exists()
+    s, c = d["stats_cost"], d["config"]
+    assert s["rounds"] == 2 and s["requests"] == 1 and s["policy"] == "h2o" and s["eviction_ratio"] == 0.5
+    assert s["none_s"] > 0 and s["h2o_s"] > 0 and s["none_cpu_s"] > 0
+    for k in ("ratio", "ratio_cpu", "ratio_slack", "ratio_slack_cpu"):
+        assert s[f"{k}_spread"]["min"] <= s[k] <= s[f"{k}_spread"]["max"], k
+    hp = s["h2o_parts"]  # H2O evicted (a 96-128-token prompt at 0.5) and its statistics were collected
+    assert hp["evictions"] >= 1 and hp["statistics_s"] > 0 and hp["policy_s"] > 0
+    assert c["only"] == "stats-cost" and 96 <= c["prompt_tokens_mean"] <= 128 and c["stats_backend"]
+    assert "stats cost, H2O" in res.stdout and "H2O's extra time" in res.stdout
+
+
+def test_bench_serve_rejects_a_bad_only() -> None:
+    res = runner.invoke(app, ["bench", "serve", "--only", "rows"])
+    assert res.exit_code == 2 and "bad option value" in res.output and "stats-cost" in res.output
+
+
 def test_bench_serve_rejects_a_bad_when() -> None:
     res = runner.invoke(app, ["bench", "serve", "--when", "decode"])
     assert res.exit_code == 2 and "bad option value" in res.output
