@@ -226,15 +226,15 @@ def summarize_stats_cost(wall: dict[str, list[float]], cpu: dict[str, list[float
     sr = paired_ratio(wall["h2o"], nw)
     sc = paired_ratio(cpu["h2o"], nc)
     return {"none_s": round(statistics.median(nw), 3),
-                  "h2o_s": round(statistics.median(wall["h2o"]), 3),
-                  "none_s_spread": _r(spread(nw), 3), "h2o_s_spread": _r(spread(wall["h2o"]), 3),
-                  "ratio": round(sr["ratio"], 3),
-                  "ratio_spread": {"min": round(sr["min"], 3), "max": round(sr["max"], 3)},
-                  "none_cpu_s": round(statistics.median(nc), 3),
-                  "h2o_cpu_s": round(statistics.median(cpu["h2o"]), 3),
-                  "ratio_cpu": round(sc["ratio"], 3),
-                  "ratio_cpu_spread": {"min": round(sc["min"], 3), "max": round(sc["max"], 3)},
-                  "ratio_cpu_fastest": round(min(cpu["h2o"]) / min(nc), 3)}
+            "h2o_s": round(statistics.median(wall["h2o"]), 3),
+            "none_s_spread": _r(spread(nw), 3), "h2o_s_spread": _r(spread(wall["h2o"]), 3),
+            "ratio": round(sr["ratio"], 3),
+            "ratio_spread": {"min": round(sr["min"], 3), "max": round(sr["max"], 3)},
+            "none_cpu_s": round(statistics.median(nc), 3),
+            "h2o_cpu_s": round(statistics.median(cpu["h2o"]), 3),
+            "ratio_cpu": round(sc["ratio"], 3),
+            "ratio_cpu_spread": {"min": round(sc["min"], 3), "max": round(sc["max"], 3)},
+            "ratio_cpu_fastest": round(min(cpu["h2o"]) / min(nc), 3)}
 
 
 def summarize_throughput(vanilla: Sequence[RunResult], vtoken: Sequence[RunResult]) -> dict[str, Any]:
@@ -701,6 +701,15 @@ def stats_cost_specs(cfg: ServeConfig) -> tuple[dict[str, dict[str, Any]], tuple
     return specs, tuple(specs)
 
 
+PARTS = ("statistics_s", "policy_s", "reclaim_s", "evictions")  # where H2O's extra time goes, per alone run
+
+
+def alone_key(name: str) -> str:
+    """Where an engine's alone runs are recorded: policy none's under ``none_alone`` (in (c) its ``none``
+    entry holds its lockstep runs), every other engine under its name."""
+    return "none_alone" if name == "none" else name
+
+
 def run_alone(keep: dict[str, Any], order: Sequence[str], trace: Trace, wall: dict[str, list[float]],
               cpu: dict[str, list[float]], parts: dict[str, list[float]]) -> None:
     """One round of the statistics cost: each engine of ``order`` runs ``trace`` alone; its seconds are
@@ -714,9 +723,8 @@ def run_alone(keep: dict[str, Any], order: Sequence[str], trace: Trace, wall: di
             parts["statistics_s"].append((s1 or 0.0) - (s0 or 0.0))
             for k, c in (("policy_s", "policy_seconds"), ("reclaim_s", "reclaim_seconds"), ("evictions", "evictions")):
                 parts[k].append(float(c1.get(c, 0.0) - c0.get(c, 0.0)))
-        key = "none_alone" if name == "none" else name
-        wall[key].append(res.seconds)
-        cpu[key].append(res.cpu_seconds)
+        wall[alone_key(name)].append(res.seconds)
+        cpu[alone_key(name)].append(res.cpu_seconds)
 
 
 def finish_stats_cost(stats_cost: dict[str, Any], cfg: ServeConfig, wall: dict[str, list[float]],
@@ -765,20 +773,28 @@ def run_stats_cost_only(cfg: ServeConfig, model_dir: str, trace: Trace, n_oh: in
     specs, alone = stats_cost_specs(cfg)
     wall: dict[str, list[float]] = {k: [] for k in (*alone, "none_alone")}
     cpu: dict[str, list[float]] = {k: [] for k in (*alone, "none_alone")}
-    parts: dict[str, list[float]] = {"statistics_s": [], "policy_s": [], "reclaim_s": [], "evictions": []}
+    parts: dict[str, list[float]] = {k: [] for k in PARTS}
     keep: dict[str, Any] = {}
     for rnd, (order, build) in enumerate(zip(alone_orders(alone, cfg.rounds), interleaved_order(alone, cfg.rounds),
                                              strict=True)):
         keep = round_engines(keep, build, specs, model_dir, cfg, max_num_seqs, trace)
         run_alone(keep, order, trace[:n_oh], wall, cpu, parts)
-        log(f"round {rnd + 1}: " + ", ".join(f"{k} {wall['none_alone' if k == 'none' else k][-1]:.2f}s "
-                                             f"(cpu {cpu['none_alone' if k == 'none' else k][-1]:.2f}s)"
+        log(f"round {rnd + 1}: " + ", ".join(f"{k} {wall[alone_key(k)][-1]:.2f}s (cpu {cpu[alone_key(k)][-1]:.2f}s)"
                                              for k in order) + f" {el()}")
     backend = stats_backend(keep["h2o"])
     for llm in keep.values():
         _free(llm)
     return {**finish_stats_cost(summarize_stats_cost(wall, cpu, "none_alone"), cfg, wall, cpu, parts, alone, n_oh),
             "stats_backend": backend}
+
+
+def report_config(cfg: ServeConfig, trace: Trace) -> dict[str, Any]:
+    """The report's ``config``: every setting (tuples as lists) and the mean prompt / output tokens of
+    ``trace`` (the requests the report's figures ran)."""
+    config = {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.__dict__.items()}
+    config.update(prompt_tokens_mean=round(float(np.mean([len(p) for p, _ in trace])), 1),
+                  output_tokens_mean=round(float(np.mean([m for _, m in trace])), 1))
+    return config
 
 
 # ============================================================================ the benchmark
@@ -927,10 +943,8 @@ def run_serve_benchmark(cfg: ServeConfig, log: Callable[[str], None] = print) ->
         stats_cost = run_stats_cost_only(cfg, model_dir, trace, n_oh, n, log, el)
         log(f"H2O/none {stats_cost['ratio']}x {stats_cost['ratio_spread']} wall, {stats_cost['ratio_cpu']}x "
             f"{stats_cost['ratio_cpu_spread']} CPU {el()}")
-        config = {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.__dict__.items()}
-        config.update(prompt_tokens_mean=round(float(np.mean([len(p) for p, _ in oh_trace])), 1),
-                      output_tokens_mean=round(float(np.mean([m for _, m in oh_trace])), 1),
-                      stats_backend=stats_cost.pop("stats_backend"))
+        config = report_config(cfg, oh_trace)
+        config.update(stats_backend=stats_cost.pop("stats_backend"))
         return {"stats_cost": stats_cost, "config": config, "seconds": round(time.perf_counter() - t_start, 1),
                 "cpu_seconds": round(time.process_time() - c_start, 1)}
 
@@ -1032,15 +1046,13 @@ def run_serve_benchmark(cfg: ServeConfig, log: Callable[[str], None] = print) ->
 
     _free(van)
     keep: dict[str, Any] = {}
-    sc_specs, alone = stats_cost_specs(cfg)
-    specs: dict[str, dict[str, Any] | None] = {
-        "vanilla": None, "none": sc_specs["none"], "vanilla_b": None, "h2o": sc_specs["h2o"],
-        **{k: v for k, v in sc_specs.items() if k not in ("none", "h2o")}}
+    sc_specs, alone = stats_cost_specs(cfg)  # built in this order: vanilla, none, vanilla_b, h2o[, h2o_slack]
+    specs: dict[str, dict[str, Any] | None] = {"vanilla": None, "none": sc_specs.pop("none"), "vanilla_b": None,
+                                               **sc_specs}
     wall: dict[str, list[float]] = {k: [] for k in (*specs, "none_alone")}
     cpu: dict[str, list[float]] = {k: [] for k in (*specs, "none_alone")}
     none_steps, tokens, ind_s, ind_steps = 0, 0, 0.0, 0
-    # where H2O's extra time goes, per alone run: the statistics collector, the policy, the compaction
-    parts: dict[str, list[float]] = {"statistics_s": [], "policy_s": [], "reclaim_s": [], "evictions": []}
+    parts: dict[str, list[float]] = {k: [] for k in PARTS}
     trio = ("vanilla", "none", "vanilla_b")
     for rnd, (order, pair, build) in enumerate(zip(interleaved_order(trio, cfg.rounds),
                                                    alone_orders(alone, cfg.rounds),
@@ -1085,10 +1097,8 @@ def run_serve_benchmark(cfg: ServeConfig, log: Callable[[str], None] = print) ->
                                   if van_row["guaranteed_concurrency"] else None)
         row["goodput_gain"] = (round(row["goodput_rps"] / van_gp, 3) if van_gp and row["goodput_rps"] is not None
                                else None)
-    config = {k: (list(v) if isinstance(v, tuple) else v) for k, v in cfg.__dict__.items()}
-    config.update(prompt_tokens_mean=round(float(np.mean([len(p) for p, _ in trace])), 1),
-                  output_tokens_mean=round(float(np.mean([m for _, m in trace])), 1),
-                  ttft_slo_s=round(slo[0], 3), tpot_slo_s=round(slo[1], 4),
+    config = report_config(cfg, trace)
+    config.update(ttft_slo_s=round(slo[0], 3), tpot_slo_s=round(slo[1], 4),
                   unloaded_ttft_s=round(ref_ttft, 3), unloaded_tpot_s=round(ref_tpot, 4),
                   stats_backend=backend, stats_backend_env=os.environ.get("VTOKEN_STATS_BACKEND"),
                   kv_cache_memory_bytes=kv_bytes(model_dir, cfg.kv_blocks, cfg.block_size))
