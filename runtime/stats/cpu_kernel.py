@@ -13,8 +13,9 @@ the kernel; a pure copy of the bits, whatever the cache layout): a unit stride a
 dim-major per (block, head)) copies, per run of the tile's consecutive keys inside one block, one
 contiguous slice per ``d``; any other layout is read element by element. A dim-major cache with a block size
 that is a multiple of 8 and a request whose scores are kept for pass 2 (below) gathers no keys at all: pass 1
-reads each run in place, 16 / 8 keys per vector load per ``d`` (the same sums in the same order, so the same
-bits; the tile copy of 16-key runs cost more than the dot products it feeds, decode and prefill alike):
+reads each run in place, 32 / 16 / 8 keys per vector load per ``d``, each load shared by up to 4 query heads
+of the GQA group (the same sums in the same order, so the same bits; the tile copy of 16-key runs cost more
+than the dot products it feeds, decode and prefill alike):
 
 1. pass 1: for every needed (query, query head) row, the online max and sum of exponentials of
    ``s = scale * q . k`` over the visible keys (``LANES`` running (max, sum) lanes per row, merged at the
@@ -42,8 +43,10 @@ Only the queries a statistic reads are processed (the per-request list is built 
 (``attn_sum``) at prefill therefore costs one pass of ``Q x L`` dot products (two past the score cache); TOVA (``attn_last``)
 and SnapKV (``attn_window``) at prefill cost only their few queries.
 
-Numerics: fp32 everywhere, IEEE operations (``fastmath=False``: no reassociation, no FMA contraction).
-Dots accumulate over ``d`` in order (the loops are unrolled by 4 without reassociation);
+Numerics: fp32 everywhere, IEEE operations (``fastmath=False``: no reassociation, no implicit contraction).
+Dots accumulate over ``d`` in order from 0 with an explicit fused multiply-add per term
+(``acc = fma(q_d, k_d, acc)``, ``llvm.fma``: one rounding per term, in every path: the tile loops, the in-place
+vector dots and their scalar tails, so every path gives the same bits);
 ``exp`` is a Cephes-style fp32 polynomial (< 1 ulp measured; written inline so the loops vectorise), its
 argument clamped at ``-87`` (``exp(-87)`` ~ 1.6e-38: a probability below that, after the division by
 the row's sum, is reported as at most that instead of 0); probabilities are ``e * (1 / l)`` like
@@ -108,6 +111,7 @@ SCRATCH_BYTES = 32 << 20
 # pass 1's scaled scores of a request's needed rows, kept for pass 2 when they fit (and the request's key
 # tiles fit in one scratch chunk); else pass 2 recomputes them (same bits)
 SCORE_BYTES = 16 << 20
+DOT_ROWS = 4  # query rows (heads of a GQA group) per in-place dot-product call
 LANES = 32  # pass 1 keeps this many (running max, sum of exp) lanes per row (a tile's keys fold onto them)
 
 
@@ -199,7 +203,8 @@ def _py_width(nt, BN):  # type: ignore[no-untyped-def]  # pragma: no cover - com
 
 def _py_scores(qb, r0, G, D, kt, acc, BN, BNe):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
     """``acc[g*BN + jj] = sum_d qb[r0 + g, d] * kt[d*BN + jj]`` (jj < BNe) for the G query heads of one query:
-    fp32, accumulated over d in order (unrolled by 4 without reassociation: the plain loop's sums)."""
+    fp32, accumulated over d in order with one fused multiply-add per term (unrolled by 4 without
+    reassociation: the plain loop's sums)."""
     D4 = D - D % 4
     for g in range(G):
         a = acc[g * BN:g * BN + BNe]
@@ -216,20 +221,23 @@ def _py_scores(qb, r0, G, D, kt, acc, BN, BNe):  # type: ignore[no-untyped-def] 
             k2 = kt[(d + 2) * BN:(d + 2) * BN + BNe]
             k3 = kt[(d + 3) * BN:(d + 3) * BN + BNe]
             for jj in range(BNe):
-                a[jj] = (((a[jj] + q0 * k0[jj]) + q1 * k1[jj]) + q2 * k2[jj]) + q3 * k3[jj]
+                a[jj] = _fma32(q3, k3[jj], _fma32(q2, k2[jj], _fma32(q1, k1[jj], _fma32(q0, k0[jj], a[jj]))))  # noqa: F821
         for d in range(D4, D):
             q0 = qr[d]
             k0 = kt[d * BN:d * BN + BNe]
             for jj in range(BNe):
-                a[jj] += q0 * k0[jj]
+                a[jj] = _fma32(q0, k0[jj], a[jj])  # noqa: F821
 
 
 def _py_scores_direct(qb, r0, G, D, kraw, shift, rowb, j0, nt, bs, k_sd, acc, BN,
                       BNe):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
     """:func:`_py_scores` read straight from a dim-major cache (unit stride along the block slot, ``bs % 8 == 0``)
     instead of a gathered tile: per run of the tile's keys inside one block, 16 / 8 keys at a time (vector
-    loads of ``kraw[rowb + d*k_sd ...]``, the key's fp32 bits as the gather would write them), the rest one by
-    one. Every score is the same sum in the same order (from 0, over d in order): the same bits."""
+    loads of ``kraw[rowb + d*k_sd ...]``, the key's fp32 bits as the gather would write them), 32 / 16 / 8 keys
+    per call for up to ``DOT_ROWS`` of the G query heads at once (``_dot32`` / ``_dot16`` / ``_dot8``: one key
+    load per 8 keys and d serves every row; rows x keys / 8 independent accumulators keep the FMA units busy),
+    the rest one by one.
+    Every score is the same sum in the same order (from 0, fma over d in order): the same bits."""
     sh = np.uint32(shift)
     jj0 = 0
     off = j0 % bs  # of the tile's first key; later runs start blocks
@@ -242,19 +250,28 @@ def _py_scores_direct(qb, r0, G, D, kraw, shift, rowb, j0, nt, bs, k_sd, acc, BN
             # read past it)
             n8 += 8
         base = rowb[jj0]
+        g = 0
+        while g < G:  # up to DOT_ROWS query heads per call: each key vector load serves them all
+            nr = min(G - g, DOT_ROWS)
+            qo = (r0 + g) * D
+            o = g * BN + jj0
+            u = 0
+            while u + 32 <= n8:
+                _dot32(qb, qo, nr, kraw, base + u, k_sd, D, acc, o + u, BN)  # noqa: F821
+                u += 32
+            if u + 16 <= n8:
+                _dot16(qb, qo, nr, kraw, base + u, k_sd, D, acc, o + u, BN)  # noqa: F821
+                u += 16
+            if u < n8:
+                _dot8(qb, qo, nr, kraw, base + u, k_sd, D, acc, o + u, BN)  # noqa: F821
+            g += nr
         for g in range(G):
             qr = qb[(r0 + g) * D:(r0 + g + 1) * D]
             o = g * BN + jj0
-            u = 0
-            while u + 16 <= n8:
-                _dot16(qr, kraw, base + u, k_sd, D, acc, o + u)  # noqa: F821
-                u += 16
-            if u < n8:
-                _dot8(qr, kraw, base + u, k_sd, D, acc, o + u)  # noqa: F821
             for u in range(n8, run):
                 a = _F0
                 for d in range(D):
-                    a += qr[d] * _as_f32(np.uint32(np.uint32(kraw[base + u + d * k_sd]) << sh))  # noqa: F821
+                    a = _fma32(qr[d], _as_f32(np.uint32(np.uint32(kraw[base + u + d * k_sd]) << sh)), a)  # noqa: F821
                 acc[o + u] = a
         jj0 += run
         off = 0
@@ -574,6 +591,17 @@ def _load() -> Any:
             return types.float32(x), codegen
 
         @intrinsic
+        def fma32(typingctx, a, b, c):  # type: ignore[no-untyped-def]
+            """``a * b + c`` rounded once (llvm.fma.f32)."""
+            if not all(isinstance(x, types.Float) and x.bitwidth == 32 for x in (a, b, c)):
+                return None
+
+            def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+                return builder.fma(*args)
+
+            return types.float32(a, b, c), codegen
+
+        @intrinsic
         def tr8(typingctx, kraw, rowb, jb, d0, ktu, bn):  # type: ignore[no-untyped-def]
             """8 keys x 8 dims, transposed: ``ktu[(d0+u)*bn + jb + i] = bits(kraw[rowb[jb+i] + d0 + u])`` for
             i, u < 8 (bf16 bits widened into the high half of the fp32 bits): 8 vector loads, a 24-shuffle
@@ -621,76 +649,99 @@ def _load() -> Any:
             return types.void(kraw, rowb, jb, d0, ktu, bn), codegen
 
         def dot(nv: int) -> Any:
-            """Intrinsic for ``nv * 8`` consecutive keys: ``out[o + u] = sum_d qr[d] * key(kraw[base + d*k_sd + u])``
-            (u < 8 nv; keys' bf16 bits widened into the high half of the fp32 bits), each sum fp32 from 0 over
-            d in order (IEEE fmul then fadd, no contraction): ``nv`` vector accumulators, one vector load per
-            8 keys and d, one store each at the end."""
+            """Intrinsic for ``nv * 8`` consecutive keys and ``nr`` (1 to ``DOT_ROWS``) query rows: ``out[o +
+            r*ostr + u] = sum_d qb[qo + r*D + d] * key(kraw[base + d*k_sd + u])`` (u < 8 nv, r < nr; keys' bf16
+            bits widened into the high half of the fp32 bits), each sum fp32 from 0 over d in order (one fused
+            multiply-add per term, ``llvm.fma.v8f32``: the scalar paths' bits). One loop per row count (a
+            switch on ``nr``; any other ``nr`` writes nothing): ``nr * nv`` vector accumulators, one vector load
+            per 8 keys and d shared by the rows, one store each at the end."""
 
             @intrinsic
-            def dot_n(typingctx, qr, kraw, base, k_sd, D, out, o):  # type: ignore[no-untyped-def]
+            def dot_n(typingctx, qb, qo, nr, kraw, base, k_sd, D, out, o, ostr):  # type: ignore[no-untyped-def]
                 if not (isinstance(kraw, types.Array) and kraw.dtype in (types.uint32, types.uint16)
-                        and isinstance(qr, types.Array) and qr.dtype == types.float32
+                        and isinstance(qb, types.Array) and qb.dtype == types.float32
                         and isinstance(out, types.Array) and out.dtype == types.float32):
                     return None
 
                 def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-                    qty, kty, bty, sty, dty, oty, ooty = signature.args
+                    qty, kty, oty = signature.args[0], signature.args[3], signature.args[7]
                     q_a = context.make_array(qty)(context, builder, args[0])
-                    k_a = context.make_array(kty)(context, builder, args[1])
-                    o_a = context.make_array(oty)(context, builder, args[5])
+                    k_a = context.make_array(kty)(context, builder, args[3])
+                    o_a = context.make_array(oty)(context, builder, args[7])
                     i64 = ir.IntType(64)
-                    base_, ksd_, D_, o_ = (context.cast(builder, args[n], t, types.int64)
-                                           for n, t in ((2, bty), (3, sty), (4, dty), (6, ooty)))
+                    qo_, nr_, base_, ksd_, D_, o_, os_ = (
+                        context.cast(builder, args[n], signature.args[n], types.int64) for n in (1, 2, 4, 5, 6, 8, 9))
                     wide = kty.dtype == types.uint16
                     elt = ir.IntType(16 if wide else 32)
                     v32 = ir.VectorType(ir.IntType(32), 8)
                     vf = ir.VectorType(ir.FloatType(), 8)
                     zero = ir.Constant(vf, [0.0] * 8)
-                    pre = builder.block
-                    loop = builder.append_basic_block("dot.loop")
-                    done = builder.append_basic_block("dot.done")
-                    builder.cbranch(builder.icmp_signed(">", D_, ir.Constant(i64, 0)), loop, done)
-                    builder.position_at_end(loop)
-                    d = builder.phi(i64)
-                    accs = [builder.phi(vf) for _ in range(nv)]
-                    qd = builder.load(builder.gep(q_a.data, [d]))
-                    qv = builder.shuffle_vector(
-                        builder.insert_element(ir.Constant(vf, ir.Undefined), qd, ir.Constant(ir.IntType(32), 0)),
-                        ir.Constant(vf, ir.Undefined), ir.Constant(v32, [0] * 8))
-                    row = builder.add(base_, builder.mul(d, ksd_))
-                    nxt = []
-                    for v in range(nv):
-                        p = builder.gep(k_a.data, [builder.add(row, ir.Constant(i64, 8 * v))])
-                        kv = builder.load(builder.bitcast(p, ir.VectorType(elt, 8).as_pointer()), align=elt.width // 8)
-                        if wide:
-                            kv = builder.shl(builder.zext(kv, v32), ir.Constant(v32, [16] * 8))
-                        nxt.append(builder.fadd(accs[v], builder.fmul(qv, builder.bitcast(kv, vf))))
-                    d1 = builder.add(d, ir.Constant(i64, 1))
-                    d.add_incoming(ir.Constant(i64, 0), pre)
-                    d.add_incoming(d1, loop)
-                    for a, n in zip(accs, nxt, strict=True):
-                        a.add_incoming(zero, pre)
-                        a.add_incoming(n, loop)
-                    builder.cbranch(builder.icmp_signed("<", d1, D_), loop, done)
-                    builder.position_at_end(done)
-                    res = [builder.phi(vf) for _ in range(nv)]
-                    for r, n in zip(res, nxt, strict=True):
-                        r.add_incoming(zero, pre)
-                        r.add_incoming(n, loop)
-                    for v, r in enumerate(res):
-                        dst = builder.gep(o_a.data, [builder.add(o_, ir.Constant(i64, 8 * v))])
-                        builder.store(r, builder.bitcast(dst, vf.as_pointer()), align=4)
+                    vfma = builder.module.globals.get("llvm.fma.v8f32") or ir.Function(
+                        builder.module, ir.FunctionType(vf, [vf, vf, vf]), name="llvm.fma.v8f32")
+                    exit_ = builder.append_basic_block("dot.exit")
+                    switch = builder.switch(nr_, exit_)
+                    for nrows in range(1, DOT_ROWS + 1):
+                        pre = builder.append_basic_block(f"dot.r{nrows}")
+                        switch.add_case(ir.Constant(i64, nrows), pre)
+                        builder.position_at_end(pre)
+                        loop = builder.append_basic_block(f"dot.r{nrows}.loop")
+                        done = builder.append_basic_block(f"dot.r{nrows}.done")
+                        builder.cbranch(builder.icmp_signed(">", D_, ir.Constant(i64, 0)), loop, done)
+                        builder.position_at_end(loop)
+                        d = builder.phi(i64)
+                        accs = [builder.phi(vf) for _ in range(nrows * nv)]
+                        row = builder.add(base_, builder.mul(d, ksd_))
+                        kvs = []
+                        for v in range(nv):
+                            p = builder.gep(k_a.data, [builder.add(row, ir.Constant(i64, 8 * v))])
+                            kv = builder.load(builder.bitcast(p, ir.VectorType(elt, 8).as_pointer()),
+                                              align=elt.width // 8)
+                            if wide:
+                                kv = builder.shl(builder.zext(kv, v32), ir.Constant(v32, [16] * 8))
+                            kvs.append(builder.bitcast(kv, vf))
+                        nxt = []
+                        for r in range(nrows):
+                            qi = builder.add(builder.add(qo_, builder.mul(D_, ir.Constant(i64, r))), d)
+                            qd = builder.load(builder.gep(q_a.data, [qi]))
+                            qv = builder.shuffle_vector(
+                                builder.insert_element(ir.Constant(vf, ir.Undefined), qd,
+                                                       ir.Constant(ir.IntType(32), 0)),
+                                ir.Constant(vf, ir.Undefined), ir.Constant(v32, [0] * 8))
+                            for v in range(nv):
+                                nxt.append(builder.call(vfma, [qv, kvs[v], accs[r * nv + v]]))
+                        d1 = builder.add(d, ir.Constant(i64, 1))
+                        d.add_incoming(ir.Constant(i64, 0), pre)
+                        d.add_incoming(d1, loop)
+                        for acc, n in zip(accs, nxt, strict=True):
+                            acc.add_incoming(zero, pre)
+                            acc.add_incoming(n, loop)
+                        builder.cbranch(builder.icmp_signed("<", d1, D_), loop, done)
+                        builder.position_at_end(done)
+                        res = [builder.phi(vf) for _ in range(nrows * nv)]
+                        for rr, n in zip(res, nxt, strict=True):
+                            rr.add_incoming(zero, pre)
+                            rr.add_incoming(n, loop)
+                        for r in range(nrows):
+                            for v in range(nv):
+                                off = builder.add(builder.add(o_, builder.mul(os_, ir.Constant(i64, r))),
+                                                  ir.Constant(i64, 8 * v))
+                                dst = builder.gep(o_a.data, [off])
+                                builder.store(res[r * nv + v], builder.bitcast(dst, vf.as_pointer()), align=4)
+                        builder.branch(exit_)
+                    builder.position_at_end(exit_)
                     return context.get_dummy_value()
 
-                return types.void(qr, kraw, base, k_sd, D, out, o), codegen
+                return types.void(qb, qo, nr, kraw, base, k_sd, D, out, o, ostr), codegen
 
             return dot_n
 
         g = globals()
         g["_as_f32"] = as_f32
+        g["_fma32"] = fma32
         g["_tr8"] = tr8
         g["_dot8"] = dot(1)
         g["_dot16"] = dot(2)
+        g["_dot32"] = dot(4)
         opts = {"cache": True, "nogil": True, "fastmath": False}
         g["_fexp"] = numba.njit(inline="always", **opts)(_py_fexp)
         g["_gather"] = numba.njit(**opts)(_py_gather)

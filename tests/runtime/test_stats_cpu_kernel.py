@@ -243,9 +243,12 @@ def test_dim_major_in_place_scores_give_the_same_bits(monkeypatch: pytest.Monkey
     and cached scores: pass 1 reads the keys in place (16 / 8 keys per vector; a request's partial last block 8
     at a time, reading past its length inside the block; tiles cutting blocks key by key) and gives exactly the
     bits of the gathered tiles: of the unit-stride layout and of the same memory without the score cache (tile
-    copies; bs 12: always). Decode and short steps, SmolLM2's heads (3 KV heads, GQA 3, D 64), four requests."""
-    for Q, block_n in ((1, None), (3, None), (1, 24), (2, 5)):
-        query, key_cache, bt, lens, qpos, kpos, S = _case(13 + Q, 4, Q, 3, 3, 64, bs, True, dtype, False)
+    copies; bs 12: always). Decode and short steps, SmolLM2's heads (3 KV heads, GQA 3, D 64), four requests;
+    groups of 1, 2 and 5 query heads (a dot-product call takes up to ``DOT_ROWS`` = 4 rows: 5 = 4 + 1)."""
+    assert ck.DOT_ROWS == 4
+    for Q, block_n, G in ((1, None, 3), (3, None, 3), (1, 24, 3), (2, 5, 3), (2, None, 5), (1, None, 1),
+                          (3, 24, 2)):
+        query, key_cache, bt, lens, qpos, kpos, S = _case(13 + Q, 4, Q, G, 3, 64, bs, True, dtype, False)
         lens[0] = 4 * bs - 3  # a partial last block, ending past a vector's 8 keys
         lens[1] = 4 * bs  # whole blocks
         for r in range(2):  # plain decode requests: positions 0 .. len-1, the last one's query
@@ -268,8 +271,8 @@ def test_dim_major_in_place_scores_give_the_same_bits(monkeypatch: pytest.Monkey
             tiles = {n: v.clone() for n, v in base.items()}
             update_attn_stats_cpu(query, dim_major, bt, lens, qpos, kpos, tiles, block_n=block_n)
         for n in STAT_NAMES:
-            assert torch.equal(got[n], want[n]), (n, Q, block_n)
-            assert torch.equal(tiles[n], want[n]), (n, Q, block_n)
+            assert torch.equal(got[n], want[n]), (n, Q, block_n, G)
+            assert torch.equal(tiles[n], want[n]), (n, Q, block_n, G)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
