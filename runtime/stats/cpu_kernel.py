@@ -13,9 +13,9 @@ the kernel; a pure copy of the bits, whatever the cache layout): a unit stride a
 dim-major per (block, head)) copies, per run of the tile's consecutive keys inside one block, one
 contiguous slice per ``d``; any other layout is read element by element. A dim-major cache with a block size
 that is a multiple of 8 and a request whose scores are kept for pass 2 (below) gathers no keys at all: pass 1
-reads each run in place, 32 / 16 / 8 keys per vector load per ``d``, each load shared by up to 4 query heads
-of the GQA group (the same sums in the same order, so the same bits; the tile copy of 16-key runs cost more
-than the dot products it feeds, decode and prefill alike):
+reads each run in place, 32 / 16 / 8 keys per call and 8 per vector load per ``d``, each load shared by up to
+``DOT_ROWS`` query heads of the GQA group (the same sums in the same order, so the same bits; the tile copy
+of 16-key runs cost more than the dot products it feeds, decode and prefill alike):
 
 1. pass 1: for every needed (query, query head) row, the online max and sum of exponentials of
    ``s = scale * q . k`` over the visible keys (``LANES`` running (max, sum) lanes per row, merged at the
@@ -232,12 +232,11 @@ def _py_scores(qb, r0, G, D, kt, acc, BN, BNe):  # type: ignore[no-untyped-def] 
 def _py_scores_direct(qb, r0, G, D, kraw, shift, rowb, j0, nt, bs, k_sd, acc, BN,
                       BNe):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
     """:func:`_py_scores` read straight from a dim-major cache (unit stride along the block slot, ``bs % 8 == 0``)
-    instead of a gathered tile: per run of the tile's keys inside one block, 16 / 8 keys at a time (vector
-    loads of ``kraw[rowb + d*k_sd ...]``, the key's fp32 bits as the gather would write them), 32 / 16 / 8 keys
-    per call for up to ``DOT_ROWS`` of the G query heads at once (``_dot32`` / ``_dot16`` / ``_dot8``: one key
-    load per 8 keys and d serves every row; rows x keys / 8 independent accumulators keep the FMA units busy),
-    the rest one by one.
-    Every score is the same sum in the same order (from 0, fma over d in order): the same bits."""
+    instead of a gathered tile: per run of the tile's keys inside one block, 32 / 16 / 8 keys per call for up to
+    ``DOT_ROWS`` of the G query heads at once (``_dot32`` / ``_dot16`` / ``_dot8``: vector loads of
+    ``kraw[rowb + d*k_sd ...]``, the key's fp32 bits as the gather would write them, one per 8 keys and d serving
+    every row; rows x keys / 8 independent accumulators keep the FMA units busy), the rest one by one. Every
+    score is the same sum in the same order (from 0, fma over d in order): the same bits."""
     sh = np.uint32(shift)
     jj0 = 0
     off = j0 % bs  # of the tile's first key; later runs start blocks

@@ -240,7 +240,7 @@ def test_dim_major_keys_give_the_same_bits(dtype: torch.dtype, block_n: int | No
 def test_dim_major_in_place_scores_give_the_same_bits(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
                                                       bs: int) -> None:
     """vLLM's CPU region layout (K dim-major, then V, per (block, head)) with a block size that is a multiple of 8
-    and cached scores: pass 1 reads the keys in place (16 / 8 keys per vector; a request's partial last block 8
+    and cached scores: pass 1 reads the keys in place (32 / 16 / 8 keys per call; a request's partial last block 8
     at a time, reading past its length inside the block; tiles cutting blocks key by key) and gives exactly the
     bits of the gathered tiles: of the unit-stride layout and of the same memory without the score cache (tile
     copies; bs 12: always). Decode and short steps, SmolLM2's heads (3 KV heads, GQA 3, D 64), four requests;
