@@ -4,7 +4,8 @@
 (``vtoken_runtime.kernels.attn_stats_triton.update_attn_stats``; the rules are
 ``vtoken_runtime.stats.reference``'s) for CPU tensors, without materialising probabilities: the torch
 collector builds ``[B, H_kv, G*Q, L]`` probabilities (and gathered ``[B, H_kv, L, D]`` keys) per layer,
-this kernel keeps ``O(LANES)`` state per (query, head) row and makes two passes over the keys.
+this kernel keeps each query's scores (or ``O(LANES)`` state per (query, head) row) and makes three passes
+over them.
 
 For every (request ``b``, KV head ``h``), over key tiles of ``BN`` virtual slots (``block_n``; default
 128 for ``D <= 64``, else 64), gathered through the block table into transposed fp32 tiles ``[D, BN]`` (bf16 bits widened to fp32 in
@@ -12,35 +13,39 @@ the kernel; a pure copy of the bits, whatever the cache layout): a unit stride a
 (vector loads + an in-register transpose); a unit stride along the block slot (vLLM's CPU layout: K
 dim-major per (block, head)) copies, per run of the tile's consecutive keys inside one block, one
 contiguous slice per ``d``; any other layout is read element by element. A dim-major cache with a block size
-that is a multiple of 8 and a request whose scores are kept for pass 2 (below) gathers no keys at all: pass 1
+that is a multiple of 8 and a request whose scores are cached (below) gathers no keys at all: pass 1
 reads each run in place, 32 / 16 / 8 keys per call and 8 per vector load per ``d``, each load shared by up to
 ``DOT_ROWS`` query heads of the GQA group (the same sums in the same order, so the same bits; the tile copy
 of 16-key runs cost more than the dot products it feeds, decode and prefill alike):
 
-1. pass 1: for every needed (query, query head) row, the online max and sum of exponentials of
-   ``s = scale * q . k`` over the visible keys (``LANES`` running (max, sum) lanes per row, merged at the
-   end) and the visible-key count ``n_vis`` of the query. Per row and tile each lane first takes the max
-   of the tile's scores that fall on it, updates its running max once (``l *= exp(m_old - m_new)``), then
-   adds ``exp(s - m_new)`` per key in key order: one exponential per (row, key);
-2. pass 2: ``P = sum_g exp(s - m_g) / l_g`` per (query, key), reduced over queries into the four
-   statistics and folded into the per-slot stores (add / overwrite / decay-and-add) at the tile's
-   physical slots (every virtual slot ``j < cache_len``: dead slots get the same 0 contributions, the
+1. pass 1: for every needed (query, query head) row, the scores ``s = scale * q . k`` (``_NEG`` where a key
+   is not visible), their running max in ``LANES`` lanes per row (key ``jj`` of a tile on lane ``jj % LANES``;
+   the row max ``m`` = the max of the lanes) and the visible-key count ``n_vis`` of the query;
+2. the sum pass, once ``m`` is final: ``e = exp(s - m)`` per visible (row, key), 0 elsewhere, added to the
+   row's lanes (tiles ascending, keys in order), ``l`` = the lanes summed in order: one exponential per
+   (row, key), where an online max would need a rescale per tile and a second exponential in pass 2;
+3. pass 2: ``P = sum_g e_g * (1 / l_g)`` per (query, key), reduced over queries into the four
+   statistics, per virtual slot; then folded into the per-slot stores (add / overwrite / decay-and-add) at
+   the physical slots (every virtual slot ``j < cache_len``: dead slots get the same 0 contributions, the
    overwrite and the decay as in the reference).
 
 The cache is read once per (request, KV head) (in place: once per needed query): the transposed tiles
 stay in a scratch buffer (``SCRATCH_BYTES``, 32 MiB: ~64K tokens at D = 128) between the passes; a longer
-request re-gathers its earlier tiles in pass 2. Pass 1's scaled scores ``s`` of a request's needed rows are
-kept for pass 2 (which then does no dot products) when they fit in ``SCORE_BYTES`` (16 MiB: e.g. 256 queries x 3 query
-heads x 5K keys) and the request's tiles fit in one scratch chunk; otherwise pass 2 recomputes them (the
-same bits either way). Beyond that, per row only ``O(LANES)`` state is kept: no probability matrix
-exists. Tiles whose smallest key position is past a query's position are skipped for it (the
-causal half of a prefill chunk).
+request re-gathers its earlier tiles in the sum pass and pass 2. The scores are cached: pass 1 writes them,
+the sum pass replaces them by their exponentials, pass 2 reads those (no dot product and no exponential
+after pass 1). The cache holds a block of the request's needed queries at a time (as many as fit in
+``SCORE_BYTES``, 16 MiB: e.g. 256 queries x 3 query heads x 5K keys per block; the three passes run per
+block, and the contributions add up per key over the queries in order across blocks, so the bits do not
+depend on the blocks). Only when the request's tiles do not fit in one scratch chunk (or one query's scores
+not in ``SCORE_BYTES``) are the scores recomputed in each pass, with the same bits. No probability matrix
+exists. Tiles whose smallest key position is past a query's position are skipped for it (the causal half
+of a prefill chunk).
 
 Only the queries a statistic reads are processed (the per-request list is built first):
 ``attn_last`` reads the request's last valid query, ``attn_window`` the valid queries at positions
 ``[prompt_len - obs_window, prompt_len)``; ``attn_sum`` and ``low_attn_count`` read every valid query
 (the count's exponential window covers all of them, and ``n_vis(q)`` is per query). H2O
-(``attn_sum``) at prefill therefore costs one pass of ``Q x L`` dot products (two past the score cache); TOVA (``attn_last``)
+(``attn_sum``) at prefill therefore costs one pass of ``Q x L`` dot products (three without the score cache); TOVA (``attn_last``)
 and SnapKV (``attn_window``) at prefill cost only their few queries.
 
 Numerics: fp32 everywhere, IEEE operations (``fastmath=False``: no reassociation, no implicit contraction).
@@ -105,14 +110,14 @@ _P5 = np.float32(5.0000001201e-1)
 
 F_LAST, F_WIN = 2, 4  # per-query flags
 _MAX_TILE = 256
-# key tiles (transposed fp32 keys) kept between pass 1 and pass 2 of one (request, KV head); a longer
-# request re-gathers its earlier tiles in pass 2 (the last chunk of pass 1 is reused)
+# key tiles (transposed fp32 keys) kept between the passes of one (request, KV head); a longer request
+# re-gathers its earlier tiles in the sum pass and pass 2 (the chunk the previous pass ended on is reused)
 SCRATCH_BYTES = 32 << 20
-# pass 1's scaled scores of a request's needed rows, kept for pass 2 when they fit (and the request's key
-# tiles fit in one scratch chunk); else pass 2 recomputes them (same bits)
+# the scores of a block of a request's needed queries (as many as fit, at least one), kept across the passes
+# when the request's key tiles fit in one scratch chunk; else every pass recomputes them (same bits)
 SCORE_BYTES = 16 << 20
 DOT_ROWS = 4  # query rows (heads of a GQA group) per in-place dot-product call
-LANES = 32  # pass 1 keeps this many (running max, sum of exp) lanes per row (a tile's keys fold onto them)
+LANES = 32  # running max (pass 1) and sum of exp (sum pass) lanes per row (a tile's keys fold onto them)
 
 
 # ---------------------------------------------------------------- numba code (compiled on first use)
@@ -201,35 +206,40 @@ def _py_width(nt, BN):  # type: ignore[no-untyped-def]  # pragma: no cover - com
     return min(BN, (nt + 7) // 8 * 8)
 
 
-def _py_scores(qb, r0, G, D, kt, acc, BN, BNe):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
-    """``acc[g*BN + jj] = sum_d qb[r0 + g, d] * kt[d*BN + jj]`` (jj < BNe) for the G query heads of one query:
-    fp32, accumulated over d in order with one fused multiply-add per term (unrolled by 4 without
-    reassociation: the plain loop's sums)."""
+def _py_scores(qb, r0, G, D, kt, kto, acc, ao, BN, BNe):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+    """``acc[ao + g*BN + jj] = sum_d qb[(r0 + g)*D + d] * kt[kto + d*BN + jj]`` (jj < BNe) for the G query heads of
+    one query: fp32, accumulated over d in order with one fused multiply-add per term (unrolled by 4 without
+    reassociation: the plain loop's sums). Offsets, not slices, here and in every per-tile function (a slice in
+    a loop costs an atomic reference count increment and decrement each time: 12-17% of a call), and unsigned
+    indices in the inner loops (numba tests a signed index for negative wraparound, which stops the loop from
+    vectorising: 2.4x slower)."""
     D4 = D - D % 4
+    n = np.uint64(BNe)  # unsigned indices: no negative-index wraparound test, so the loops vectorise
     for g in range(G):
-        a = acc[g * BN:g * BN + BNe]
-        qr = qb[(r0 + g) * D:(r0 + g + 1) * D]
-        for jj in range(BNe):
-            a[jj] = _F0
+        ab = np.uint64(ao + g * BN)
+        qo = (r0 + g) * D
+        for jj in range(n):
+            acc[ab + jj] = _F0
         for d in range(0, D4, 4):
-            q0 = qr[d]
-            q1 = qr[d + 1]
-            q2 = qr[d + 2]
-            q3 = qr[d + 3]
-            k0 = kt[d * BN:d * BN + BNe]
-            k1 = kt[(d + 1) * BN:(d + 1) * BN + BNe]
-            k2 = kt[(d + 2) * BN:(d + 2) * BN + BNe]
-            k3 = kt[(d + 3) * BN:(d + 3) * BN + BNe]
-            for jj in range(BNe):
-                a[jj] = _fma32(q3, k3[jj], _fma32(q2, k2[jj], _fma32(q1, k1[jj], _fma32(q0, k0[jj], a[jj]))))  # noqa: F821
+            q0 = qb[qo + d]
+            q1 = qb[qo + d + 1]
+            q2 = qb[qo + d + 2]
+            q3 = qb[qo + d + 3]
+            k0 = np.uint64(kto + d * BN)
+            k1 = np.uint64(kto + (d + 1) * BN)
+            k2 = np.uint64(kto + (d + 2) * BN)
+            k3 = np.uint64(kto + (d + 3) * BN)
+            for jj in range(n):
+                acc[ab + jj] = _fma32(q3, kt[k3 + jj], _fma32(q2, kt[k2 + jj], _fma32(  # noqa: F821
+                    q1, kt[k1 + jj], _fma32(q0, kt[k0 + jj], acc[ab + jj]))))  # noqa: F821
         for d in range(D4, D):
-            q0 = qr[d]
-            k0 = kt[d * BN:d * BN + BNe]
-            for jj in range(BNe):
-                a[jj] = _fma32(q0, k0[jj], a[jj])  # noqa: F821
+            q0 = qb[qo + d]
+            k0 = np.uint64(kto + d * BN)
+            for jj in range(n):
+                acc[ab + jj] = _fma32(q0, kt[k0 + jj], acc[ab + jj])  # noqa: F821
 
 
-def _py_scores_direct(qb, r0, G, D, kraw, shift, rowb, j0, nt, bs, k_sd, acc, BN,
+def _py_scores_direct(qb, r0, G, D, kraw, shift, rowb, j0, nt, bs, k_sd, acc, ao, BN,
                       BNe):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
     """:func:`_py_scores` read straight from a dim-major cache (unit stride along the block slot, ``bs % 8 == 0``)
     instead of a gathered tile: per run of the tile's keys inside one block, 32 / 16 / 8 keys per call for up to
@@ -253,7 +263,7 @@ def _py_scores_direct(qb, r0, G, D, kraw, shift, rowb, j0, nt, bs, k_sd, acc, BN
         while g < G:  # up to DOT_ROWS query heads per call: each key vector load serves them all
             nr = min(G - g, DOT_ROWS)
             qo = (r0 + g) * D
-            o = g * BN + jj0
+            o = ao + g * BN + jj0
             u = 0
             while u + 32 <= n8:
                 _dot32(qb, qo, nr, kraw, base + u, k_sd, D, acc, o + u, BN)  # noqa: F821
@@ -265,138 +275,162 @@ def _py_scores_direct(qb, r0, G, D, kraw, shift, rowb, j0, nt, bs, k_sd, acc, BN
                 _dot8(qb, qo, nr, kraw, base + u, k_sd, D, acc, o + u, BN)  # noqa: F821
             g += nr
         for g in range(G):
-            qr = qb[(r0 + g) * D:(r0 + g + 1) * D]
-            o = g * BN + jj0
+            qo = (r0 + g) * D
+            o = ao + g * BN + jj0
             for u in range(n8, run):
                 a = _F0
                 for d in range(D):
-                    a = _fma32(qr[d], _as_f32(np.uint32(np.uint32(kraw[base + u + d * k_sd]) << sh)), a)  # noqa: F821
+                    a = _fma32(qb[qo + d], _as_f32(np.uint32(np.uint32(kraw[base + u + d * k_sd]) << sh)), a)  # noqa: F821
                 acc[o + u] = a
         jj0 += run
         off = 0
     for g in range(G):  # the gathered tile's zero keys (never visible: pass 1 masks them the same way)
         for jj in range(nt, BNe):
-            acc[g * BN + jj] = _F0
+            acc[ao + g * BN + jj] = _F0
 
 
-def _py_visible(kp, qp, vis, BNe):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
-    """``vis[jj] = 0 <= kp[jj] <= qp`` for jj < BNe; returns the number of visible keys."""
+def _py_visible(kp, kpo, qp, vis, BNe):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+    """``vis[jj] = 0 <= kp[kpo + jj] <= qp`` for jj < BNe; returns the number of visible keys."""
     cnt = 0
-    for jj in range(BNe):
-        v = (kp[jj] >= 0) & (kp[jj] <= qp)
+    ko = np.uint64(kpo)
+    for jj in range(np.uint64(BNe)):
+        k = kp[ko + jj]
+        v = (k >= 0) & (k <= qp)
         vis[jj] = v
         cnt += v
     return cnt
 
 
-def _py_pass1(qb, n_need, qp_n, G, D, kt, kp, kmin, nt, vis, acc, sc, sc_off, cached, tm, ml, ll, nvis, scale, BN,
-              W, direct, kraw, shift, rowb, j0, bs, k_sd):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
-    """One key tile of pass 1. Each row keeps ``W`` lanes (key ``jj`` of a tile goes to lane ``jj % W``):
-    the running max ``ml`` of the visible scores seen so far and the sum ``ll`` of their ``exp(s - ml)``;
-    ``nvis[i]`` += visible keys of query ``i``. Per row and tile: the scaled, masked scores
-    (``scale * q . k``, ``_NEG`` where not visible) and their lane max ``tm``, then each lane's max and
-    sum are updated once (``l *= exp(m_old - m_new)``) and the tile's ``exp(s - m_new)`` added in key order.
-    ``cached``: the scores of query ``i`` stay in ``sc[sc_off + i*G*BN ...]`` for pass 2 (else in ``acc``).
-    ``direct``: the dot products read the cache (:func:`_py_scores_direct`, ``rowb`` of this tile) instead of
-    the tile ``kt`` (not gathered)."""
+def _py_sees(kp, kpo, qp, n_vis, kmin, vis, BNe):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+    """Whether the query at position ``qp`` (``n_vis`` visible keys in all) sees a key of this tile (``vis``
+    filled: :func:`_py_visible`); after pass 1, which counted ``n_vis``."""
+    return qp >= kmin and n_vis > 0 and _visible(kp, kpo, qp, vis, BNe) > 0  # noqa: F821
+
+
+def _py_masked_scores(qb, i, G, D, kt, kto, vis, buf, bo, scale, BN, BNe, direct, kraw, shift, rowb, j0, nt, bs,
+                      k_sd):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+    """``buf[bo + g*BN + jj] = scale * q . k`` of query ``i``'s G rows over one tile, ``_NEG`` where not visible
+    (``vis`` of this query); ``direct``: the dot products read the cache, else the gathered tile at ``kt[kto:]``."""
+    if direct:
+        _scores_direct(qb, i * G, G, D, kraw, shift, rowb, j0, nt, bs, k_sd, buf, bo, BN, BNe)  # noqa: F821
+    else:
+        _scores(qb, i * G, G, D, kt, kto, buf, bo, BN, BNe)  # noqa: F821
+    for g in range(G):
+        ab = np.uint64(bo + g * BN)
+        for jj in range(np.uint64(BNe)):
+            s = buf[ab + jj] * scale
+            buf[ab + jj] = s if vis[jj] else _NEG
+
+
+def _py_pass1(qb, n_need, qp_n, G, D, kt, kto, kp, kpo, kmin, nt, vis, acc, sc, sc_off, cached, ml, nvis, scale,
+              BN, W, direct, kraw, shift, rowb, j0, bs, k_sd):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+    """One key tile of pass 1: the masked scaled scores of every needed row (:func:`_py_masked_scores`; kept in
+    ``sc[sc_off + i*G*BN ...]`` for the next passes when ``cached``, else in ``acc``) and the running max of each
+    row's ``W`` lanes (key ``jj`` of a tile goes to lane ``jj % W``): ``ml``; ``nvis[i]`` += visible keys of query
+    ``i``. No exponential here: the sums start once the row max is final (:func:`_py_pass1b`)."""
     BNe = _width(nt, BN)  # noqa: F821
     GB = G * BN
+    buf = sc if cached else acc
     for i in range(n_need):
         qp = qp_n[i]
         if qp < kmin:
             continue  # no key of the tile is visible to this query
-        cnt = _visible(kp, qp, vis, BNe)  # noqa: F821
+        cnt = _visible(kp, kpo, qp, vis, BNe)  # noqa: F821
         if cnt == 0:
             continue
         nvis[i] += cnt
-        buf = sc[sc_off + i * GB:sc_off + (i + 1) * GB] if cached else acc[0:GB]
-        if direct:
-            _scores_direct(qb, i * G, G, D, kraw, shift, rowb, j0, nt, bs, k_sd, buf, BN, BNe)  # noqa: F821
-        else:
-            _scores(qb, i * G, G, D, kt, buf, BN, BNe)  # noqa: F821
+        bo = sc_off + i * GB if cached else 0
+        _masked_scores(qb, i, G, D, kt, kto, vis, buf, bo, scale, BN, BNe, direct, kraw, shift, rowb, j0, nt, bs,  # noqa: F821
+                       k_sd)
         for g in range(G):
-            r = i * G + g
-            mr = ml[r * W:r * W + W]
-            lr = ll[r * W:r * W + W]
-            for u in range(W):
-                tm[u] = _NEG
+            mo = np.uint64((i * G + g) * W)
             for c in range(0, BNe, W):
-                w = min(W, BNe - c)
-                a = buf[g * BN + c:g * BN + c + w]
-                vc = vis[c:c + w]
+                w = np.uint64(min(W, BNe - c))
+                ab = np.uint64(bo + g * BN + c)
                 for u in range(w):
-                    s = a[u] * scale
-                    s = s if vc[u] else _NEG
-                    a[u] = s
-                    tm[u] = s if s > tm[u] else tm[u]
-            for u in range(W):
-                mo = mr[u]
-                mn = tm[u] if tm[u] > mo else mo
-                lr[u] = lr[u] * _fexp(mo - mn)  # noqa: F821
-                mr[u] = mn
-            for c in range(0, BNe, W):
-                w = min(W, BNe - c)
-                a = buf[g * BN + c:g * BN + c + w]
-                vc = vis[c:c + w]
-                for u in range(w):
-                    e = _fexp(a[u] - mr[u])  # noqa: F821
-                    lr[u] += e if vc[u] else _F0
+                    x = buf[ab + u]
+                    ml[mo + u] = x if x > ml[mo + u] else ml[mo + u]
 
 
-def _py_pass2(qb, n_need, qp_n, fl_n, w_n, thr_n, nvis, m, invl, G, D, kt, kp, kmin, nt, vis, acc, sc, sc_off,
-              cached, P, a_sum, a_last, a_win, a_low, do_sum, do_last, do_win, do_low, scale,
-              BN):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
-    """One key tile of pass 2: ``P = sum_g exp(s - m_g) * (1 / l_g)`` per (query, key), reduced over the
-    queries (in order) into the tile's contributions ``a_*``. ``cached``: the scaled scores ``s`` are pass 1's
-    (``sc``); else they are recomputed (same bits)."""
+def _py_pass1b(qb, n_need, qp_n, nvis, m, G, D, kt, kto, kp, kpo, kmin, nt, vis, acc, sc, sc_off, cached, ll, scale,
+               BN, W, kraw, shift, rowb, j0, bs, k_sd):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+    """One key tile of the sum pass, once the row maxima ``m`` are final: ``e = exp(s - m)`` per visible
+    (row, key) (0 elsewhere) added to the row's lane ``jj % W`` of ``ll`` (tiles in ascending order, in key
+    order within a tile). ``cached``: ``e`` replaces the score in ``sc`` (pass 2 then computes no
+    exponential); else the scores are recomputed from the tile (the same bits as pass 1's)."""
     BNe = _width(nt, BN)  # noqa: F821
     GB = G * BN
-    for jj in range(BNe):
-        a_sum[jj] = _F0
-        a_last[jj] = _F0
-        a_win[jj] = _F0
-        a_low[jj] = _F0
+    buf = sc if cached else acc
     for i in range(n_need):
-        qp = qp_n[i]
-        if qp < kmin or nvis[i] == 0:
+        if not _sees(kp, kpo, qp_n[i], nvis[i], kmin, vis, BNe):  # noqa: F821
             continue
-        if _visible(kp, qp, vis, BNe) == 0:  # noqa: F821
-            continue
-        if cached:
-            buf = sc[sc_off + i * GB:sc_off + (i + 1) * GB]
-        else:
-            buf = acc[0:GB]
-            _scores(qb, i * G, G, D, kt, buf, BN, BNe)  # noqa: F821
-            for g in range(G):
-                a = buf[g * BN:g * BN + BNe]
-                for jj in range(BNe):
-                    a[jj] = a[jj] * scale
-        for jj in range(BNe):
-            P[jj] = _F0
+        bo = sc_off + i * GB if cached else 0
+        if not cached:
+            _masked_scores(qb, i, G, D, kt, kto, vis, buf, bo, scale, BN, BNe, False, kraw, shift, rowb, j0, nt,  # noqa: F821
+                           bs, k_sd)
         for g in range(G):
             mg = m[i * G + g]
-            il = invl[i * G + g]
-            a = buf[g * BN:g * BN + BNe]
-            for jj in range(BNe):
-                v = vis[jj]
-                x = a[jj] - mg
-                e = _fexp(x if v else _F0) * il  # noqa: F821
-                P[jj] += e if v else _F0
+            lo = np.uint64((i * G + g) * W)
+            for c in range(0, BNe, W):
+                w = np.uint64(min(W, BNe - c))
+                ab = np.uint64(bo + g * BN + c)
+                cu = np.uint64(c)
+                for u in range(w):
+                    e = _fexp(buf[ab + u] - mg)  # noqa: F821
+                    e = e if vis[cu + u] else _F0
+                    buf[ab + u] = e
+                    ll[lo + u] += e
+
+
+def _py_pass2(qb, n_need, qp_n, fl_n, w_n, thr_n, nvis, m, invl, G, D, kt, kto, kp, kpo, kmin, nt, vis, acc, sc,
+              sc_off, cached, P, a_sum, a_last, a_win, a_low, ao, do_sum, do_last, do_win, do_low, scale,
+              BN, kraw, shift, rowb, j0, bs, k_sd):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+    """One key tile of pass 2: ``P = sum_g exp(s - m_g) * (1 / l_g)`` per (query, key), reduced over the
+    queries (in order) into the tile's contributions ``a_*[ao + jj]``. ``cached``: the exponentials are the sum
+    pass's (``sc``); else the scores and their exponentials are recomputed (same bits)."""
+    BNe = _width(nt, BN)  # noqa: F821
+    GB = G * BN
+    n = np.uint64(BNe)
+    ou = np.uint64(ao)
+    buf = sc if cached else acc
+    for i in range(n_need):
+        if not _sees(kp, kpo, qp_n[i], nvis[i], kmin, vis, BNe):  # noqa: F821
+            continue
+        for jj in range(n):
+            P[jj] = _F0
+        bo = sc_off + i * GB if cached else 0
+        if cached:
+            for g in range(G):
+                il = invl[i * G + g]
+                ab = np.uint64(bo + g * BN)
+                for jj in range(n):
+                    P[jj] += buf[ab + jj] * il  # exp(s - m), 0 where not visible
+        else:
+            _masked_scores(qb, i, G, D, kt, kto, vis, buf, bo, scale, BN, BNe, False, kraw, shift, rowb, j0, nt,  # noqa: F821
+                           bs, k_sd)
+            for g in range(G):
+                mg = m[i * G + g]
+                il = invl[i * G + g]
+                ab = np.uint64(bo + g * BN)
+                for jj in range(n):
+                    e = _fexp(buf[ab + jj] - mg)  # noqa: F821
+                    e = e if vis[jj] else _F0
+                    P[jj] += e * il
         f = fl_n[i]
         if do_sum:
-            for jj in range(BNe):
-                a_sum[jj] += P[jj]
+            for jj in range(n):
+                a_sum[ou + jj] += P[jj]
         if do_last and (f & F_LAST) != 0:
-            for jj in range(BNe):
-                a_last[jj] += P[jj]
+            for jj in range(n):
+                a_last[ou + jj] += P[jj]
         if do_win and (f & F_WIN) != 0:
-            for jj in range(BNe):
-                a_win[jj] += P[jj]
+            for jj in range(n):
+                a_win[ou + jj] += P[jj]
         if do_low:
             th = thr_n[i]
             wi = w_n[i]
-            for jj in range(BNe):
-                a_low[jj] += wi if (vis[jj] & (P[jj] < th)) else _F0
+            for jj in range(n):
+                a_low[ou + jj] += wi if (vis[jj] & (P[jj] < th)) else _F0
 
 
 def _py_kernel(qf, kraw, shift, k_snb, k_sbs, k_sh, k_sd, bt, lens, qpos, plen, kpos, kp_rs, bs, Hkv,
@@ -412,8 +446,8 @@ def _py_kernel(qf, kraw, shift, k_snb, k_sbs, k_sh, k_sd, bt, lens, qpos, plen, 
         max_len = max(max_len, np.int64(lens[b]))
     CT = max(1, min((max_len + BN - 1) // BN, max_tiles))  # key tiles kept between the passes
     TS = D * BN
-    # score cache: the largest (valid queries x G x tiles x BN) of a request within one scratch chunk and
-    # max_scores (a request's needed queries are among its valid ones)
+    # score cache: per request whose tiles fit in one scratch chunk, a block of its queries x G x tiles x BN within
+    # max_scores (at least one query; the request's needed queries are among its valid ones)
     n_sc = 0
     for b in range(B):
         n_t = (np.int64(lens[b]) + BN - 1) // BN
@@ -421,9 +455,9 @@ def _py_kernel(qf, kraw, shift, k_snb, k_sbs, k_sh, k_sd, bt, lens, qpos, plen, 
         for q in range(Q):
             if qpos[b, q] >= 0:
                 qn += 1
-        need = qn * G * n_t * BN
-        if n_t <= CT and need <= max_scores:
-            n_sc = max(n_sc, need)
+        one = G * n_t * BN
+        if 0 < n_t <= CT and one <= max_scores:
+            n_sc = max(n_sc, min(qn, max_scores // one) * one)
     sc = np.empty(n_sc, np.float32)
     # scratch, reused for every (request, KV head); every element a tile computation reads is written first
     kts = np.empty(CT * TS, np.float32)
@@ -435,12 +469,11 @@ def _py_kernel(qf, kraw, shift, k_snb, k_sbs, k_sh, k_sd, bt, lens, qpos, plen, 
     vis = np.zeros(BN, np.bool_)
     acc = np.zeros(G * BN, np.float32)
     P = np.zeros(BN, np.float32)
-    a_sum = np.zeros(BN, np.float32)
-    a_last = np.zeros(BN, np.float32)
-    a_win = np.zeros(BN, np.float32)
-    a_low = np.zeros(BN, np.float32)
-    tmp = np.zeros(W, np.float32)
-    tm = np.empty(W, np.float32)
+    NT = (max_len + BN - 1) // BN * BN
+    c_sum = np.zeros(NT, np.float32)  # a request's contributions per virtual slot, over all its query blocks
+    c_last = np.zeros(NT, np.float32)
+    c_win = np.zeros(NT, np.float32)
+    c_low = np.zeros(NT, np.float32)
     qidx = np.empty(Q, np.int64)
     qp_n = np.empty(Q, np.int64)
     fl_n = np.empty(Q, np.int64)
@@ -482,76 +515,111 @@ def _py_kernel(qf, kraw, shift, k_snb, k_sbs, k_sh, k_sd, bt, lens, qpos, plen, 
             continue  # nothing to add (attn_last, set to 0 without a query, is the only write without queries)
         n_tiles = (n_len + BN - 1) // BN
         last_c0 = ((n_tiles - 1) // CT) * CT
-        RS = n_need * G * BN  # one tile's cached scores
-        cached = n_tiles <= CT and RS * n_tiles <= n_sc  # pass 2 reads pass 1's scores (else recomputes them)
+        # the queries go in blocks of QB whose scores stay cached between the passes (every query at once when
+        # they do not fit: the scores are recomputed); contributions add up per key over the queries in order,
+        # whatever the blocks, so the bits do not depend on them
+        one = G * n_tiles * BN
+        cached = n_tiles <= CT and 0 < one <= n_sc
+        QB = max(1, min(n_need, n_sc // one)) if cached else max(1, n_need)
         # dim-major cache (vLLM's CPU layout) and cached scores: pass 1 reads the keys in place, no key tiles
         # (pass 2 reads no keys); the tile copy costs more than the dot products it would speed up
         direct = cached and k_sbs == 1 and k_sd != 1 and bs % 8 == 0
         for h in range(Hkv):
             kp_off = h * kp_rs if per_head else 0
-            for i in range(n_need):  # query rows of this KV head: qb[(i*G + g)*D + d]
-                for g in range(G):
-                    rb = (i * G + g) * D
-                    for d in range(D):
-                        qb[rb + d] = qf[b, qidx[i], h * G + g, d]
-            # ---- pass 1 (chunks of CT tiles; the last chunk stays in the scratch for pass 2)
-            if n_need > 0:
-                for r in range(n_need * G * W):
-                    ml[r] = _NEG
-                    ll[r] = _F0
-                for i in range(n_need):
-                    nvis[i] = 0
-                for c0 in range(0, n_tiles, CT):
+            for c in (c_sum, c_last, c_win, c_low):  # zeroed once per (request, head): pass 2 adds every block
+                c[:n_tiles * BN] = _F0
+            for q0 in range(0, max(n_need, 1), QB):
+                nq = min(QB, n_need - q0)  # 0: no query (attn_last only: the fold below writes its zeros)
+                RS = nq * G * BN  # one tile's cached scores
+                for i in range(nq):  # query rows of this block: qb[(i*G + g)*D + d]
+                    for g in range(G):
+                        rb = (i * G + g) * D
+                        for d in range(D):
+                            qb[rb + d] = qf[b, qidx[q0 + i], h * G + g, d]
+                qp_b = qp_n[q0:q0 + nq]
+                nv_b = nvis[q0:q0 + nq]
+                # ---- pass 1 (chunks of CT tiles): scores and row maxima
+                if nq > 0:
+                    for r in range(nq * G * W):
+                        ml[r] = _NEG
+                        ll[r] = _F0
+                    for i in range(nq):
+                        nv_b[i] = 0
+                    for c0 in range(0, n_tiles, CT):
+                        for t in range(c0, min(c0 + CT, n_tiles)):
+                            ti = t - c0
+                            nt = min(BN, n_len - t * BN)
+                            if q0 == 0 or n_tiles > CT:
+                                kmins[ti] = _gather(kraw, shift, k_snb, k_sbs, k_sh, k_sd, bt, b, h, t * BN, nt, bs,  # noqa: F821
+                                                    kpos, kp_off, ktu[ti * TS:(ti + 1) * TS], kps[ti * BN:(ti + 1) * BN],
+                                                    slts[ti * BN:(ti + 1) * BN], rowb, BN, D, not direct)
+                            elif direct:  # the tile's key offsets for the in-place dot products
+                                _gather(kraw, shift, k_snb, k_sbs, k_sh, k_sd, bt, b, h, t * BN, nt, bs,  # noqa: F821
+                                        kpos, kp_off, ktu[ti * TS:(ti + 1) * TS], kps[ti * BN:(ti + 1) * BN],
+                                        slts[ti * BN:(ti + 1) * BN], rowb, BN, D, False)
+                            _pass1(qb, nq, qp_b, G, D, kts, ti * TS, kps, ti * BN, kmins[ti], nt, vis, acc, sc,  # noqa: F821
+                                   ti * RS, cached, ml, nv_b, scale, BN, W, direct, kraw, shift, rowb, t * BN, bs, k_sd)
+                    for r in range(nq * G):  # the row max: max over the lanes
+                        mr = ml[r * W:(r + 1) * W]
+                        mx = _NEG
+                        for u in range(W):
+                            mx = mr[u] if mr[u] > mx else mx
+                        m[r] = mx
+                    # ---- the sum pass (tiles ascending; a multi-chunk request re-gathers from its first chunk,
+                    # and the last chunk stays in the scratch for pass 2): l = sum of exp(s - m), lanes in order
+                    for c0 in range(0, n_tiles, CT):
+                        for t in range(c0, min(c0 + CT, n_tiles)):
+                            ti = t - c0
+                            nt = min(BN, n_len - t * BN)
+                            if n_tiles > CT:
+                                kmins[ti] = _gather(kraw, shift, k_snb, k_sbs, k_sh, k_sd, bt, b, h, t * BN, nt, bs,  # noqa: F821
+                                                    kpos, kp_off, ktu[ti * TS:(ti + 1) * TS], kps[ti * BN:(ti + 1) * BN],
+                                                    slts[ti * BN:(ti + 1) * BN], rowb, BN, D, True)
+                            _pass1b(qb, nq, qp_b, nv_b, m, G, D, kts, ti * TS, kps, ti * BN, kmins[ti], nt, vis, acc,  # noqa: F821
+                                    sc, ti * RS, cached, ll, scale, BN, W, kraw, shift, rowb, t * BN, bs, k_sd)
+                    for r in range(nq * G):
+                        lr = ll[r * W:(r + 1) * W]
+                        lsum = _F0
+                        for u in range(W):
+                            lsum += lr[u]
+                        invl[r] = _F1 / lsum if lsum > _F0 else _F0
+                    for i in range(nq):  # the collector's threshold: (1 / n_vis) * (threshold * G), fp32
+                        thr_n[i] = (_F1 / np.float32(max(nv_b[i], 1))) * thr_g
+                # ---- pass 2 (chunks in reverse order: the chunk the sum pass left in the scratch first)
+                for c0 in range(last_c0, -1, -CT):
                     for t in range(c0, min(c0 + CT, n_tiles)):
                         ti = t - c0
                         nt = min(BN, n_len - t * BN)
-                        kmins[ti] = _gather(kraw, shift, k_snb, k_sbs, k_sh, k_sd, bt, b, h, t * BN, nt, bs, kpos,  # noqa: F821
-                                            kp_off, ktu[ti * TS:(ti + 1) * TS], kps[ti * BN:(ti + 1) * BN],
-                                            slts[ti * BN:(ti + 1) * BN], rowb, BN, D, not direct)
-                        _pass1(qb, n_need, qp_n, G, D, kts[ti * TS:(ti + 1) * TS], kps[ti * BN:(ti + 1) * BN],  # noqa: F821
-                               kmins[ti], nt, vis, acc, sc, ti * RS, cached, tm, ml, ll, nvis, scale, BN, W,
-                               direct, kraw, shift, rowb, t * BN, bs, k_sd)
-                # merge the lanes of each row: m = max, l = sum_lanes l_lane * exp(m_lane - m) (lane order)
-                for r in range(n_need * G):
-                    mr = ml[r * W:(r + 1) * W]
-                    lr = ll[r * W:(r + 1) * W]
-                    mx = _NEG
-                    for u in range(W):
-                        mx = mr[u] if mr[u] > mx else mx
-                    for u in range(W):
-                        tmp[u] = lr[u] * _fexp(mr[u] - mx)  # noqa: F821
-                    lsum = _F0
-                    for u in range(W):
-                        lsum += tmp[u]
-                    m[r] = mx
-                    invl[r] = _F1 / lsum if lsum > _F0 else _F0
-                for i in range(n_need):  # the collector's threshold: (1 / n_vis) * (threshold * G), fp32
-                    thr_n[i] = (_F1 / np.float32(max(nvis[i], 1))) * thr_g
-            # ---- pass 2 (chunks in reverse order: the chunk pass 1 left in the scratch first)
+                        if nq == 0 or c0 != last_c0:
+                            kmins[ti] = _gather(kraw, shift, k_snb, k_sbs, k_sh, k_sd, bt, b, h, t * BN, nt, bs, kpos,  # noqa: F821
+                                                kp_off, ktu[ti * TS:(ti + 1) * TS], kps[ti * BN:(ti + 1) * BN],
+                                                slts[ti * BN:(ti + 1) * BN], rowb, BN, D, nq > 0 and not cached)
+                        _pass2(qb, nq, qp_b, fl_n[q0:q0 + nq], w_n[q0:q0 + nq], thr_n, nv_b, m, invl, G, D, kts,  # noqa: F821
+                               ti * TS, kps, ti * BN, kmins[ti], nt, vis, acc, sc, ti * RS, cached, P, c_sum, c_last,
+                               c_win, c_low, t * BN, do_sum, do_last, do_win, do_low, scale, BN, kraw, shift, rowb,
+                               t * BN, bs, k_sd)
+            # ---- fold into the per-slot stores (chunks ascending: pass 2 left the first one in the scratch)
             ob = h * o_rs
-            for c0 in range(last_c0, -1, -CT):
+            for c0 in range(0, n_tiles, CT):
                 for t in range(c0, min(c0 + CT, n_tiles)):
                     ti = t - c0
                     nt = min(BN, n_len - t * BN)
-                    if n_need == 0 or c0 != last_c0:
-                        kmins[ti] = _gather(kraw, shift, k_snb, k_sbs, k_sh, k_sd, bt, b, h, t * BN, nt, bs, kpos,  # noqa: F821
-                                            kp_off, ktu[ti * TS:(ti + 1) * TS], kps[ti * BN:(ti + 1) * BN],
-                                            slts[ti * BN:(ti + 1) * BN], rowb, BN, D, n_need > 0 and not cached)
-                    _pass2(qb, n_need, qp_n, fl_n, w_n, thr_n, nvis, m, invl, G, D, kts[ti * TS:(ti + 1) * TS],  # noqa: F821
-                           kps[ti * BN:(ti + 1) * BN], kmins[ti], nt, vis, acc, sc, ti * RS, cached,
-                           P, a_sum, a_last, a_win, a_low,
-                           do_sum, do_last, do_win, do_low, scale, BN)
+                    if c0 != 0:
+                        _gather(kraw, shift, k_snb, k_sbs, k_sh, k_sd, bt, b, h, t * BN, nt, bs, kpos,  # noqa: F821
+                                kp_off, ktu[ti * TS:(ti + 1) * TS], kps[ti * BN:(ti + 1) * BN],
+                                slts[ti * BN:(ti + 1) * BN], rowb, BN, D, False)
                     sl = slts[ti * BN:(ti + 1) * BN]
+                    o = t * BN
                     for jj in range(nt):
-                        o = ob + sl[jj]
+                        so = ob + sl[jj]
                         if do_sum:
-                            out_sum[o] += a_sum[jj]
+                            out_sum[so] += c_sum[o + jj]
                         if do_last:
-                            out_last[o] = a_last[jj]
+                            out_last[so] = c_last[o + jj]
                         if do_win:
-                            out_win[o] += a_win[jj]
+                            out_win[so] += c_win[o + jj]
                         if do_low:
-                            out_low[o] = out_low[o] * dec_b + a_low[jj]
+                            out_low[so] = out_low[so] * dec_b + c_low[o + jj]
 
 
 # ---------------------------------------------------------------- loading
@@ -748,7 +816,10 @@ def _load() -> Any:
         g["_scores_direct"] = numba.njit(**opts)(_py_scores_direct)
         g["_visible"] = numba.njit(inline="always", **opts)(_py_visible)
         g["_width"] = numba.njit(inline="always", **opts)(_py_width)
+        g["_sees"] = numba.njit(inline="always", **opts)(_py_sees)
+        g["_masked_scores"] = numba.njit(inline="always", **opts)(_py_masked_scores)
         g["_pass1"] = numba.njit(**opts)(_py_pass1)
+        g["_pass1b"] = numba.njit(**opts)(_py_pass1b)
         g["_pass2"] = numba.njit(**opts)(_py_pass2)
         _K = numba.njit(**opts)(_py_kernel)
     return _K

@@ -270,21 +270,31 @@ def test_dim_major_in_place_scores_give_the_same_bits(monkeypatch: pytest.Monkey
             mp.setattr(ck, "SCORE_BYTES", 0)
             tiles = {n: v.clone() for n, v in base.items()}
             update_attn_stats_cpu(query, dim_major, bt, lens, qpos, kpos, tiles, block_n=block_n)
+        with monkeypatch.context() as mp:  # one query per score block: keys read in place again per block
+            bn = block_n or 128
+            mp.setattr(ck, "SCORE_BYTES", G * -(-int(lens.max()) // bn) * bn * 4)
+            blocks = {n: v.clone() for n, v in base.items()}
+            update_attn_stats_cpu(query, dim_major, bt, lens, qpos, kpos, blocks, block_n=block_n)
         for n in STAT_NAMES:
             assert torch.equal(got[n], want[n]), (n, Q, block_n, G)
             assert torch.equal(tiles[n], want[n]), (n, Q, block_n, G)
+            assert torch.equal(blocks[n], want[n]), (n, Q, block_n, G)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_score_cache_is_bit_identical(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
-    """Pass 2 reading pass 1's cached scores gives the bits of recomputing them (no cache, a cache too small
-    for some requests, a scratch of one tile: more than one chunk)."""
+    """The passes reading cached scores give the bits of recomputing them (no cache, a cache too small for
+    some requests, a scratch of one tile: more than one chunk), and a request's queries cut into score blocks
+    (one, two or three queries per block) give the bits of one block."""
     query, key_cache, bt, lens, qpos, kpos, S = _case(9, 3, 5, 3, 2, 16, 4, True, dtype, True)
     base = {n: torch.rand(2, S, generator=torch.Generator().manual_seed(3)) for n in STAT_NAMES}
     full = {n: v.clone() for n, v in base.items()}
     update_attn_stats_cpu(query, key_cache, bt, lens, qpos, kpos, full, block_n=3)
+    one_query = 3 * -(-int(lens.max()) // 3) * 3 * 4  # G x tiles x block_n fp32 scores of the longest request
+    assert int((qpos >= 0).sum(1).max()) > 3  # blocks of 1, 2 and 3 cut some request's queries
     for score_bytes, scratch in ((0, ck.SCRATCH_BYTES), (5 * 3 * 3 * 3 * 4, ck.SCRATCH_BYTES),
-                                 (ck.SCORE_BYTES, 16 * 3 * 4 + 3 * 16)):
+                                 (ck.SCORE_BYTES, 16 * 3 * 4 + 3 * 16), (one_query, ck.SCRATCH_BYTES),
+                                 (2 * one_query, ck.SCRATCH_BYTES), (3 * one_query + 4, ck.SCRATCH_BYTES)):
         monkeypatch.setattr(ck, "SCORE_BYTES", score_bytes)
         monkeypatch.setattr(ck, "SCRATCH_BYTES", scratch)
         part = {n: v.clone() for n, v in base.items()}
