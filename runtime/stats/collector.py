@@ -47,6 +47,8 @@ class StatsCollector:
         self.seconds = 0.0
         self.backend = resolve_backend(backend, cache.device)
         self._kernel = kernel_for(self.backend)
+        self._layers: dict[int, tuple[tuple[Any, ...], Any]] = {}  # numba: layer -> (its tensors, PreparedLayer)
+        self._step: tuple[Any, Any, Any, Any] | None = None  # numba: (md, query_pos, prompt_lens, prepared step)
 
     def write_norms(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Key/value norms of freshly cached tokens: ``k, v [T, H_kv, D]`` at physical ``slots [T]``."""
@@ -87,11 +89,35 @@ class StatsCollector:
         cache, cfg = self.cache, self.cfg
         if cache.in_flight:
             cache.fence()
-        self._kernel(query, cache.key_cache(layer), md.block_tables, md.cache_lens, query_pos,
-                     cache.key_positions(layer), {n: cache.stats_tensor(n)[layer] for n in self.attn}, scale=scale,
-                     obs_window=cfg.obs_window, history_window=cfg.history_window,
-                     low_attn_threshold=cfg.low_attn_threshold, prompt_lens=prompt_lens)
+        if self.backend == "numba":
+            self._numba(layer, query, md, query_pos, prompt_lens, scale)
+        else:
+            self._kernel(query, cache.key_cache(layer), md.block_tables, md.cache_lens, query_pos,
+                         cache.key_positions(layer), {n: cache.stats_tensor(n)[layer] for n in self.attn}, scale=scale,
+                         obs_window=cfg.obs_window, history_window=cfg.history_window,
+                         low_attn_threshold=cfg.low_attn_threshold, prompt_lens=prompt_lens)
         self.seconds += time.perf_counter() - t0
+
+    def _numba(self, layer: int, query: torch.Tensor, md: Any, query_pos: torch.Tensor, prompt_lens: torch.Tensor,
+               scale: float | None) -> None:
+        """The numba kernel on arguments prepared once per layer (views of the cache's key, position and
+        statistic stores, rebuilt when one of those tensors changes) and once per step (the metadata, the same
+        for every layer): most of a decode call's Python otherwise (``stats.cpu_kernel.prepare_layer``)."""
+        from .cpu_kernel import prepare_layer, prepare_step, run_prepared
+
+        cache, cfg = self.cache, self.cfg
+        key = (cache.key_cache(layer), cache.store.positions.data_ptr(),
+               *(cache.store.tensor(n).data_ptr() for n in self.attn))
+        prep = self._layers.get(layer)
+        if prep is None or prep[0][0] is not key[0] or prep[0][1:] != key[1:]:
+            prep = (key, prepare_layer(key[0], cache.key_positions(layer),
+                                       {n: cache.store.tensor(n)[layer] for n in self.attn}))
+            self._layers[layer] = prep
+        if self._step is None or self._step[0] is not md or self._step[1] is not query_pos \
+                or self._step[2] is not prompt_lens:
+            self._step = (md, query_pos, prompt_lens, prepare_step(md.block_tables, md.cache_lens, query_pos,
+                                                                    prompt_lens))
+        run_prepared(prep[1], self._step[3], query, scale, cfg.obs_window, cfg.history_window, cfg.low_attn_threshold)
 
 
 BACKENDS = ("auto", "torch", "triton", "numba")

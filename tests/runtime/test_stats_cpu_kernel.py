@@ -106,6 +106,46 @@ def test_kernel_matches_stats_collector_over_steps(granularity: str, dtype: torc
     _collector_run(granularity, dtype, G, layout, mode)
 
 
+def test_collector_prepares_each_layer_once_and_each_step_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The collector's numba path views a layer's stores once (reused over steps, evictions and reclaims: the
+    test above checks the values against fresh calls) and the step's metadata once for all layers; a new
+    store tensor (here a statistic store replaced) is seen and prepared again."""
+    calls = {"layer": 0, "step": 0}
+    real_layer, real_step = ck.prepare_layer, ck.prepare_step
+
+    def count(name, fn):  # type: ignore[no-untyped-def]
+        def wrapped(*a, **kw):  # type: ignore[no-untyped-def]
+            calls[name] += 1
+            return fn(*a, **kw)
+        return wrapped
+
+    monkeypatch.setattr(ck, "prepare_layer", count("layer", real_layer))
+    monkeypatch.setattr(ck, "prepare_step", count("step", real_step))
+    cache = VTokenCache(2, 2, 16, 4, num_blocks=20, granularity="head", kv_layout="vllm_cpu",
+                        stat_names=("attn_sum",), async_copy=False)
+    col = StatsCollector(cache, ("attn_sum",), StatsConfig(), 2)
+    assert col.backend == "numba"
+    cache.add_request("a")
+    for step, n in enumerate((6, 1, 1)):
+        start = cache.logical_len("a")
+        cache.reserve("a", n)
+        for li in range(2):
+            cache.write_kv(li, "a", torch.randn(n, 2, 16), torch.randn(n, 2, 16))
+        md = cache.attention_metadata(["a"])
+        qpos, plen = torch.arange(start, start + n)[None], torch.tensor([6])  # one object each per step, as in vLLM
+        for li in range(2):
+            col.attention(li, torch.randn(1, n, 4, 16), md, qpos, plen)
+        assert calls == {"layer": 2, "step": step + 1}
+    col.attention(0, torch.randn(1, 1, 4, 16), cache.attention_metadata(["a"]), qpos, plen)  # a new step's metadata
+    assert calls == {"layer": 2, "step": 4}
+    before = cache.stats_tensor("attn_sum").clone()
+    cache.store.stats["attn_sum"] = before.clone()  # a different tensor behind the same name
+    md = cache.attention_metadata(["a"])
+    col.attention(1, torch.randn(1, 1, 4, 16), md, torch.tensor([[cache.logical_len("a") - 1]]), torch.tensor([6]))
+    assert calls == {"layer": 3, "step": 5}
+    assert not torch.equal(cache.stats_tensor("attn_sum")[1], before[1])  # written into the new tensor
+
+
 @pytest.mark.parametrize("block_n", [1, 5, 8, 13])
 def test_key_tile_widths(block_n: int) -> None:
     """Tiles narrower than, not a multiple of, or equal to the 8-key transpose block."""
