@@ -51,6 +51,7 @@ records the copy's event), the device copy is ``record_stream``-ed on that strea
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Sequence
@@ -62,6 +63,8 @@ import numpy as np
 import torch
 
 from .slot_stats import SlotStore
+
+log = logging.getLogger("vtoken.copy")
 
 KV_LAYOUTS = ("generic", "vllm_cpu")
 CPU_PATHS = ("auto", "numba", "torch")
@@ -125,6 +128,19 @@ def _cpu_kernels() -> Any:
     return _KERNELS
 
 
+def _disable_cpu_kernels(e: Exception) -> None:
+    """The kernel failed before moving anything (e.g. numba could not load its on-disk cache, written for the
+    same file imported under another module name): every later job takes the torch path (``cpu_path="auto"``),
+    with one warning, instead of failing every eviction."""
+    global _KERNELS, _KERNEL_ERROR
+    with _KERNELS_LOCK:
+        if _KERNEL_ERROR is None:
+            _KERNEL_ERROR = f"{type(e).__name__}: {e}"
+            log.warning("vtoken: the numba copy kernel failed (%s); copies take the torch path from now on",
+                        _KERNEL_ERROR)
+        _KERNELS = None
+
+
 _WARMED = False
 
 
@@ -136,7 +152,7 @@ def _warm_kernels() -> None:
     rows = np.zeros((4, 2 * k.NT_ALIGN), np.uint8)
     one = np.ones(1, np.int64)
     zero = np.zeros(1, np.int64)
-    k.run(rows, zero, one, 0)  # streaming
+    k.run(rows, zero, one, 0)  # streaming (a failure here is seen again by the first job: run_jobs falls back)
     k.run(rows, zero, one, 1 << 62)  # uint64 words (K/V rows, positions)
     k.run(np.zeros((4, 4), np.uint8), zero, one, 1 << 62)  # uint32 words (float32 stats)
 
@@ -404,9 +420,16 @@ class CopyEngine:
                 self.jobs_run["triton"] = self.jobs_run.get("triton", 0) + 1
                 continue
             if self._use_kernel(view, src, dst):
-                _run_cpu_kernel(view, src, dst, self.nt_min_bytes)
-                self.jobs_run["numba"] = self.jobs_run.get("numba", 0) + 1
-                continue
+                try:
+                    _run_cpu_kernel(view, src, dst, self.nt_min_bytes)
+                    self.jobs_run["numba"] = self.jobs_run.get("numba", 0) + 1
+                    continue
+                except (IndexError, ValueError):  # a bad plan or view, refused before any byte moved
+                    raise
+                except Exception as e:  # the kernel could not load or compile: it moved nothing
+                    if self.cpu_path == "numba":
+                        raise RuntimeError(f"cpu_path='numba' but the copy kernel failed: {type(e).__name__}: {e}") from e
+                    _disable_cpu_kernels(e)  # this job and the later ones take the torch path
             self.jobs_run["torch"] = self.jobs_run.get("torch", 0) + 1
             if src.device != view.device:
                 src, dst = src.to(view.device, non_blocking=True), dst.to(view.device, non_blocking=True)

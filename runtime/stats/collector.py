@@ -20,6 +20,7 @@ Only the statistics in ``stat_names`` are collected; the rules are :mod:`.refere
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable, Iterable
@@ -30,6 +31,8 @@ import torch
 from vtoken_sdk.stats import StatsConfig
 
 from .reference import ATTENTION_STATS, KV_STATS, fold, step_contributions, visibility
+
+log = logging.getLogger("vtoken.stats")
 
 
 class StatsCollector:
@@ -90,7 +93,17 @@ class StatsCollector:
         if cache.in_flight:
             cache.fence()
         if self.backend == "numba":
-            self._numba(layer, query, md, query_pos, prompt_lens, scale)
+            try:
+                self._numba(layer, query, md, query_pos, prompt_lens, scale)
+            except ValueError:  # misuse: shapes, dtypes
+                raise
+            except Exception as e:  # the kernel could not load or compile: it wrote nothing
+                log.warning("vtoken: the numba statistics kernel failed (%s: %s); the torch reference collects the "
+                            "statistics from now on", type(e).__name__, e)
+                self.backend, self._kernel = "torch", None
+                self.seconds += time.perf_counter() - t0
+                self.attention(layer, query, md, query_pos, prompt_lens, scale)
+                return
         else:
             self._kernel(query, cache.key_cache(layer), md.block_tables, md.cache_lens, query_pos,
                          cache.key_positions(layer), {n: cache.stats_tensor(n)[layer] for n in self.attn}, scale=scale,

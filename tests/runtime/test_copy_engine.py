@@ -206,3 +206,45 @@ def test_cpu_kernel_rejects_out_of_range_plan_untouched(streaming: bool) -> None
         c.fence()
     for a, b in zip(before, _state_bytes(c), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("warmed", [False, True])
+@pytest.mark.parametrize("cpu_path", ["auto", "numba"])
+def test_a_kernel_that_cannot_load_falls_back_to_torch(cpu_path: str, warmed: bool, monkeypatch: pytest.MonkeyPatch,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """A kernel failing before it moves anything (here: numba's cache written for the file under another module
+    name, as seen on this machine) does not fail the copy: with ``cpu_path="auto"`` the job and every later one
+    take the torch path (one warning, the same bytes); a required ``"numba"`` path raises and moves nothing.
+    Whether the worker's warm-up (a new process) already failed on it or not."""
+    import vtoken_runtime.copy_engine as ce
+
+    k = _cpu_kernels()
+    assert k is not None
+    monkeypatch.setattr(ce, "_KERNELS", k)
+    monkeypatch.setattr(ce, "_KERNEL_ERROR", None)
+    monkeypatch.setattr(ce, "_WARMED", warmed)
+
+    def broken(*a: object) -> None:
+        raise ModuleNotFoundError("No module named 'runtime'")
+
+    monkeypatch.setattr(k, "run", broken)
+    kw: dict[str, object] = dict(num_layers=2, num_kv_heads=2, head_size=8, block_size=4, num_blocks=16,
+                                 granularity="head", kv_layout="vllm_cpu", stat_names=("a",), async_copy=True)
+    ref, new = _make_cache("torch", 7, **kw), _make_cache(cpu_path, 7, **kw)
+    plan = _random_plan(ref, "ordered", np.random.default_rng(1), 3, 4, 0.5)
+    assert plan.num_moves
+    before = _state_bytes(new)
+    ref.engine.submit(plan)
+    ref.fence()
+    new.engine.submit(plan)
+    if cpu_path == "numba":
+        with pytest.raises(RuntimeError, match="copy kernel failed"):
+            new.fence()
+        assert all(torch.equal(a, b) for a, b in zip(before, _state_bytes(new), strict=True))
+        return
+    with caplog.at_level("WARNING", logger="vtoken.copy"):
+        new.fence()
+    assert all(torch.equal(a, b) for a, b in zip(_state_bytes(ref), _state_bytes(new), strict=True))
+    assert new.engine.jobs_run.get("numba", 0) == 0 and new.engine.jobs_run["torch"] > 0
+    assert ce._KERNELS is None and "runtime" in (ce._KERNEL_ERROR or "")
+    assert sum("torch path" in r.getMessage() for r in caplog.records) == 1

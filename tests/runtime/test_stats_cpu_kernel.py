@@ -146,6 +146,47 @@ def test_collector_prepares_each_layer_once_and_each_step_once(monkeypatch: pyte
     assert not torch.equal(cache.stats_tensor("attn_sum")[1], before[1])  # written into the new tensor
 
 
+def test_collector_falls_back_to_torch_when_the_kernel_cannot_load(monkeypatch: pytest.MonkeyPatch,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """A numba kernel failing before it writes anything (numba's on-disk cache written for the same file under
+    another module name, as seen on this machine) does not fail the forward pass: the collector warns once and
+    the torch reference collects from then on, the same statistics as a torch collector (within the tolerance);
+    a ValueError (misuse) still propagates."""
+    def broken(*a: object, **kw: object) -> None:
+        raise ModuleNotFoundError("No module named 'runtime'")
+
+    caches = [VTokenCache(2, 2, 16, 4, num_blocks=20, granularity="head", kv_layout="vllm_cpu",
+                          stat_names=STAT_NAMES, async_copy=False) for _ in range(2)]
+    cols = [StatsCollector(c, STAT_NAMES, StatsConfig(obs_window=2), 3, backend=b)
+            for c, b in zip(caches, ("numba", "torch"), strict=True)]
+    monkeypatch.setattr(ck, "run_prepared", broken)
+    g = torch.Generator().manual_seed(0)
+    for c in caches:
+        c.add_request("a")
+    with caplog.at_level("WARNING", logger="vtoken.stats"):
+        for n in (6, 1, 1):
+            k, v, q = torch.randn(2, n, 2, 16, generator=g), torch.randn(2, n, 2, 16, generator=g), \
+                torch.randn(n, 6, 16, generator=g)
+            qpos, plen = torch.arange(caches[0].logical_len("a"), caches[0].logical_len("a") + n)[None], torch.tensor([6])
+            for c, col in zip(caches, cols, strict=True):
+                c.reserve("a", n)
+                for li in range(2):
+                    c.write_kv(li, "a", k[li], v[li])
+                md = c.attention_metadata(["a"])
+                for li in range(2):
+                    col.attention(li, q[None], md, qpos, plen)
+    assert cols[0].backend == "torch" and sum("torch reference" in r.getMessage() for r in caplog.records) == 1
+    for name in STAT_NAMES:
+        torch.testing.assert_close(caches[0].stats_tensor(name), caches[1].stats_tensor(name), atol=ATOL, rtol=RTOL)
+    assert float(caches[0].stats_tensor("attn_sum").sum()) > 0
+    monkeypatch.undo()  # the kernel works again
+    col = StatsCollector(caches[0], STAT_NAMES, StatsConfig(), 3, backend="numba")
+    with pytest.raises(ValueError, match="does not match"):  # a query that does not fit the cache: misuse
+        col.attention(0, torch.randn(1, 1, 5, 16), caches[0].attention_metadata(["a"]), torch.tensor([[8]]),
+                      torch.tensor([6]))
+    assert col.backend == "numba"
+
+
 @pytest.mark.parametrize("block_n", [1, 5, 8, 13])
 def test_key_tile_widths(block_n: int) -> None:
     """Tiles narrower than, not a multiple of, or equal to the 8-key transpose block."""
