@@ -550,14 +550,10 @@ def _py_kernel(qf, kraw, shift, k_snb, k_sbs, k_sh, k_sd, bt, lens, qpos, plen, 
                         for t in range(c0, min(c0 + CT, n_tiles)):
                             ti = t - c0
                             nt = min(BN, n_len - t * BN)
-                            if q0 == 0 or n_tiles > CT:
+                            if q0 == 0 or n_tiles > CT or direct:  # later blocks: the key offsets of in-place dots
                                 kmins[ti] = _gather(kraw, shift, k_snb, k_sbs, k_sh, k_sd, bt, b, h, t * BN, nt, bs,  # noqa: F821
                                                     kpos, kp_off, ktu[ti * TS:(ti + 1) * TS], kps[ti * BN:(ti + 1) * BN],
                                                     slts[ti * BN:(ti + 1) * BN], rowb, BN, D, not direct)
-                            elif direct:  # the tile's key offsets for the in-place dot products
-                                _gather(kraw, shift, k_snb, k_sbs, k_sh, k_sd, bt, b, h, t * BN, nt, bs,  # noqa: F821
-                                        kpos, kp_off, ktu[ti * TS:(ti + 1) * TS], kps[ti * BN:(ti + 1) * BN],
-                                        slts[ti * BN:(ti + 1) * BN], rowb, BN, D, False)
                             _pass1(qb, nq, qp_b, G, D, kts, ti * TS, kps, ti * BN, kmins[ti], nt, vis, acc, sc,  # noqa: F821
                                    ti * RS, cached, ml, nv_b, scale, BN, W, direct, kraw, shift, rowb, t * BN, bs, k_sd)
                     for r in range(nq * G):  # the row max: max over the lanes
@@ -980,16 +976,8 @@ def update_attn_stats_cpu(
     ``key_positions [H_kv or 1, S]`` (-1 = dead), ``prompt_lens [B]`` (default: the end of this step).
     ``block_n`` = key tile width (default 128 for D <= 64, else 64); ``num_warps`` is ignored (GPU only)."""
     del num_warps
-    unknown = set(stats) - set(STAT_NAMES)
-    if unknown:
-        raise ValueError(f"unknown attention statistics {sorted(unknown)}; known: {STAT_NAMES}")
-    NB, bs, Hkv, Dk = key_cache.shape
-    if Dk != query.shape[3] or query.shape[2] % Hkv:
-        raise ValueError(f"query {tuple(query.shape)} does not match key cache {tuple(key_cache.shape)}")
-    if query.shape[0] == 0 or query.shape[1] == 0 or not stats:
+    if not stats:
         return
-    if key_cache.device.type != "cpu" or query.device.type != "cpu":
-        raise ValueError("update_attn_stats_cpu takes CPU tensors (the Triton kernel runs on GPUs)")
     kp = key_positions
     if kp.dtype != torch.int64 or kp.stride(-1) != 1:
         kp = kp.to(torch.int64).contiguous()  # read-only here: a converted copy is fine
