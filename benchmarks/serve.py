@@ -53,7 +53,7 @@ ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobi
        "VLLM_LOGGING_LEVEL": "WARNING"}
 
 WHEN = ("prefill", "chunks")
-ONLY = ("all", "stats-cost")  # ServeConfig.only: the whole report, or (c)'s statistics cost alone
+ONLY = ("all", "stats-cost", "goodput")  # ServeConfig.only: the whole report, (c)'s statistics cost or (b) alone
 MODES = {"naive": "naive", "vtoken": "compact"}  # row label -> plugin mode
 Trace = list[tuple[list[int], int]]  # [(prompt ids, max_tokens)]
 
@@ -98,7 +98,9 @@ class ServeConfig:
     seed: int = 0
     model: str | None = None
     # "stats-cost": only (c)'s H2O 0.5 vs policy none runs (the same engines, trace, rounds and report fields as
-    # the full benchmark's ``stats_cost``), without (a), (b) and the overhead trio: minutes, not the whole run
+    # the full benchmark's ``stats_cost``), without (a), (b) and the overhead trio: minutes, not the whole run.
+    # "goodput": only (b): vanilla's SLOs and goodput, then the goodput rows' (``goodput_rows``), e.g. to see
+    # how the comparison moves with the SLO multiples or the prefill chunk
     only: str = "all"
 
     def goodput_keys(self) -> set[tuple[str, str, float]] | None:
@@ -291,6 +293,18 @@ def attainment(ttfts: Sequence[float | None], tpots: Sequence[float | None], ttf
     if not ttfts:
         return 0.0
     return sum(meets_slo(a, b, ttft_slo, tpot_slo) for a, b in zip(ttfts, tpots, strict=True)) / len(ttfts)
+
+
+def miss_counts(ttfts: Sequence[float | None], tpots: Sequence[float | None], ttft_slo: float,
+                tpot_slo: float) -> dict[str, int]:
+    """What the misses of a run missed: ``ttft`` counts the requests with no first token within
+    ``ttft_slo`` (None included), ``tpot`` those with a first token whose TPOT is over ``tpot_slo`` or
+    that never finished. A request late on both counts in both."""
+    if len(ttfts) != len(tpots):
+        raise ValueError("one TTFT and one TPOT per request")
+    return {"ttft": int(sum(bool(a is None or a > ttft_slo) for a in ttfts)),
+            "tpot": int(sum(bool(a is not None and (b is None or b > tpot_slo))
+                            for a, b in zip(ttfts, tpots, strict=True)))}
 
 
 def tpot_of(first: float, finish: float, n_out: int) -> float:
@@ -842,14 +856,16 @@ def goodput_for(llm: Any, cfg: ServeConfig, trace: Trace, unloaded_trace: Trace,
     def run(rate: float) -> float:
         r = run_trace(llm, trace, arrivals / rate, slo=slo, max_misses=misses, clock=cfg.clock)
         a = attainment(r.ttft, r.tpot, *slo)
+        miss = miss_counts(r.ttft, r.tpot, *slo)
         done_tt = [x for x in r.ttft if x is not None]
         done_tp = [x for x in r.tpot if x is not None]
         out["probes"].append({"rate_rps": round(rate, 4), "attainment": round(a, 3), "aborted": r.aborted,
+                              "missed_ttft": miss["ttft"], "missed_tpot": miss["tpot"],
                               "seconds": round(r.seconds, 1),
                               "ttft_p90_s": round(float(np.percentile(done_tt, 90)), 3) if done_tt else None,
                               "tpot_p90_s": round(float(np.percentile(done_tp, 90)), 4) if done_tp else None})
-        log(f"  {label}: rate {rate:.3f} rps -> attainment {a:.2f}{' (stopped early)' if r.aborted else ''} "
-            f"[{r.seconds:.0f}s]")
+        log(f"  {label}: rate {rate:.3f} rps -> attainment {a:.2f} (missed TTFT {miss['ttft']}, TPOT "
+            f"{miss['tpot']} of {len(trace)}){' (stopped early)' if r.aborted else ''} [{r.seconds:.0f}s]")
         return a
 
     s = search_goodput(run, start, cfg.slo_attainment, factor=cfg.rate_factor, max_ladder=cfg.max_ladder,
@@ -857,6 +873,55 @@ def goodput_for(llm: Any, cfg: ServeConfig, trace: Trace, unloaded_trace: Trace,
     out.update(goodput_rps=round(s.goodput, 4), bracket=[round(s.bracket[0], 4),
                None if s.bracket[1] is None else round(s.bracket[1], 4)], saturated=s.saturated)
     return out
+
+
+def vanilla_goodput(van: Any, cfg: ServeConfig, gp_trace: Trace, un_trace: Trace, log: Callable[[str], None],
+                    el: Callable[[], str]) -> tuple[dict[str, Any], dict[str, float]]:
+    """Vanilla's unloaded TTFT / TPOT, the SLOs they set, and vanilla's goodput search (its ladder starts at
+    the prefill-bound capacity ``1 / unloaded TTFT``): ``(search, {ttft_slo_s, tpot_slo_s, unloaded_ttft_s,
+    unloaded_tpot_s})``."""
+    tt, tp = unloaded(van, un_trace, cfg.clock)
+    ref_ttft, ref_tpot = float(np.mean(tt)), float(np.mean(tp))
+    slo = (cfg.ttft_slo_factor * ref_ttft, cfg.tpot_slo_factor * ref_tpot)
+    log(f"SLOs: TTFT {slo[0]:.2f}s ({cfg.ttft_slo_factor}x {ref_ttft:.2f}s), TPOT {1e3 * slo[1]:.0f}ms "
+        f"({cfg.tpot_slo_factor}x {1e3 * ref_tpot:.1f}ms) {el()}")
+    g = goodput_for(van, cfg, gp_trace, un_trace, slo, 1.0 / ref_ttft, log, "vanilla", unloaded_runs=(tt, tp))
+    log(f"vanilla: goodput {g['goodput_rps']} rps {el()}")
+    return g, {"ttft_slo_s": slo[0], "tpot_slo_s": slo[1], "unloaded_ttft_s": ref_ttft, "unloaded_tpot_s": ref_tpot}
+
+
+def _rounded_slos(slo_cfg: dict[str, float]) -> dict[str, float]:
+    return {k: round(v, 3 if k.endswith("ttft_s") else 4) for k, v in slo_cfg.items()}
+
+
+def run_goodput_only(cfg: ServeConfig, model_dir: str, trace: Trace, gp_trace: Trace, un_trace: Trace,
+                     log: Callable[[str], None], el: Callable[[], str]
+                     ) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """``--only goodput``: (b) alone. Vanilla's SLOs and goodput, then each goodput row's on an engine built,
+    searched on vanilla's grid of rates and freed in turn (vanilla is not used after the first of them).
+    Returns the rows ``{mode, policy, eviction_ratio, goodput_rps, goodput_gain, goodput_search}`` (vanilla
+    first) and the SLOs."""
+    n = len(trace)
+    van = build_engine(model_dir, cfg, None, max_num_seqs=n)
+    _warm(van, trace)
+    g, slo_cfg = vanilla_goodput(van, cfg, gp_trace, un_trace, log, el)
+    slo, van_gp = (slo_cfg["ttft_slo_s"], slo_cfg["tpot_slo_s"]), g["goodput_rps"]
+    rows = [{"mode": "vanilla", "policy": "none", "eviction_ratio": 0.0, "goodput_rps": van_gp, "goodput_search": g}]
+    keys = cfg.goodput_keys()  # None ("all"): every configured row
+    for mode, pol, r in ([(m, p, r) for p in cfg.policies for r in cfg.ratios for m in cfg.modes] if keys is None
+                         else sorted(keys)):
+        llm = build_engine(model_dir, cfg, plugin_args(cfg, pol, r, mode), max_num_seqs=n)
+        _warm(llm, trace)
+        gs = goodput_for(llm, cfg, gp_trace, un_trace, slo, 1.0 / slo_cfg["unloaded_ttft_s"], log,
+                         f"{mode} {pol} {r}", ref=van_gp)
+        log(f"{mode} {pol} {r}: goodput {gs['goodput_rps']} rps {el()}")
+        _free(llm)
+        rows.append({"mode": mode, "policy": pol, "eviction_ratio": r, "goodput_rps": gs["goodput_rps"],
+                     "goodput_search": gs})
+    _free(van)
+    for row in rows:
+        row["goodput_gain"] = round(row["goodput_rps"] / van_gp, 3) if van_gp else None
+    return rows, slo_cfg
 
 
 def _wants_goodput(cfg: ServeConfig, mode: str, policy: str, ratio: float) -> bool:
@@ -939,6 +1004,12 @@ def run_serve_benchmark(cfg: ServeConfig, log: Callable[[str], None] = print) ->
     el = lambda: f"[{time.perf_counter() - t_start:.0f}s]"  # noqa: E731
     log(f"trace: {n} requests, prompts {cfg.prompt_tokens} (mean {np.mean([len(p) for p, _ in trace]):.0f}), "
         f"outputs {cfg.output_tokens}; KV budget {cfg.kv_blocks} blocks of {cfg.block_size}; when={cfg.when}")
+    if cfg.only == "goodput":
+        rows, slo_cfg = run_goodput_only(cfg, model_dir, trace, gp_trace, un_trace, log, el)
+        config = report_config(cfg, gp_trace)
+        config.update(**_rounded_slos(slo_cfg))
+        return {"goodput": rows, "config": config, "seconds": round(time.perf_counter() - t_start, 1),
+                "cpu_seconds": round(time.process_time() - c_start, 1)}
     if cfg.only == "stats-cost":
         stats_cost = run_stats_cost_only(cfg, model_dir, trace, n_oh, n, log, el)
         log(f"H2O/none {stats_cost['ratio']}x {stats_cost['ratio_spread']} wall, {stats_cost['ratio_cpu']}x "
@@ -992,16 +1063,10 @@ def run_serve_benchmark(cfg: ServeConfig, log: Callable[[str], None] = print) ->
     # (b) goodput: SLOs from vanilla's unloaded requests. vLLM's in-process engines share the process's
     # parallel groups and freeing any engine tears them down: an engine is never used after a later one
     # was freed (vanilla and the pair run first, every other engine is built, used and freed in turn)
-    tt, tp = unloaded(van, un_trace, cfg.clock)
-    ref_ttft, ref_tpot = float(np.mean(tt)), float(np.mean(tp))
-    slo = (cfg.ttft_slo_factor * ref_ttft, cfg.tpot_slo_factor * ref_tpot)
-    log(f"SLOs: TTFT {slo[0]:.2f}s ({cfg.ttft_slo_factor}x {ref_ttft:.2f}s), TPOT {1e3 * slo[1]:.0f}ms "
-        f"({cfg.tpot_slo_factor}x {1e3 * ref_tpot:.1f}ms) {el()}")
-    start = 1.0 / ref_ttft  # vanilla's ladder starts at its prefill-bound capacity
-    g = goodput_for(van, cfg, gp_trace, un_trace, slo, start, log, "vanilla", unloaded_runs=(tt, tp))
+    g, slo_cfg = vanilla_goodput(van, cfg, gp_trace, un_trace, log, el)
+    slo, start = (slo_cfg["ttft_slo_s"], slo_cfg["tpot_slo_s"]), 1.0 / slo_cfg["unloaded_ttft_s"]
     goodput_done: dict[tuple[str, str, float], dict[str, Any]] = {("vanilla", "none", 0.0): g}
     van_gp: float | None = g["goodput_rps"]
-    log(f"vanilla: goodput {van_gp} rps {el()}")
     if pair_llm is not None and _wants_goodput(cfg, *pair):
         goodput_done[pair] = goodput_for(pair_llm, cfg, gp_trace, un_trace, slo, start, log, "vtoken h2o 0.5",
                                          ref=van_gp)
@@ -1098,9 +1163,7 @@ def run_serve_benchmark(cfg: ServeConfig, log: Callable[[str], None] = print) ->
         row["goodput_gain"] = (round(row["goodput_rps"] / van_gp, 3) if van_gp and row["goodput_rps"] is not None
                                else None)
     config = report_config(cfg, trace)
-    config.update(ttft_slo_s=round(slo[0], 3), tpot_slo_s=round(slo[1], 4),
-                  unloaded_ttft_s=round(ref_ttft, 3), unloaded_tpot_s=round(ref_tpot, 4),
-                  stats_backend=backend, stats_backend_env=os.environ.get("VTOKEN_STATS_BACKEND"),
+    config.update(**_rounded_slos(slo_cfg), stats_backend=backend, stats_backend_env=os.environ.get("VTOKEN_STATS_BACKEND"),
                   kv_cache_memory_bytes=kv_bytes(model_dir, cfg.kv_blocks, cfg.block_size))
     return {"rows": rows, "throughput": throughput, "overhead": overhead, "stats_cost": stats_cost, "config": config,
             "kv_cache_memory_bytes": config["kv_cache_memory_bytes"],

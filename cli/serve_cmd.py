@@ -92,8 +92,38 @@ def print_stats_cost(s: dict[str, Any], c: dict[str, Any]) -> None:
                   f"{hp['reclaim_s']} s ({1e3 * hp['reclaim_s'] / ev:.1f} ms each)")
 
 
+def _slo_line(c: dict[str, Any]) -> str:
+    return (f"SLOs: TTFT <= {c['ttft_slo_s']} s ({c['ttft_slo_factor']}x vanilla unloaded {c['unloaded_ttft_s']} s), "
+            f"TPOT <= {1e3 * c['tpot_slo_s']:.1f} ms ({c['tpot_slo_factor']}x {1e3 * c['unloaded_tpot_s']:.1f} ms), "
+            f"attainment >= {c['slo_attainment']:.0%}, on the {c['clock']} clock")
+
+
+def print_goodput(rows: list[dict[str, Any]], c: dict[str, Any]) -> None:
+    """``--only goodput``: per row its goodput, its gain over vanilla and every probe (rate: attainment,
+    misses by SLO)."""
+    table = Table(title=f"goodput, {c['goodput_requests']} requests per rate (prompt tokens "
+                        f"{c['prompt_tokens_mean']:.0f}, outputs {c['output_tokens_mean']:.0f}), KV budget "
+                        f"{c['kv_blocks']} blocks x {c['block_size']}, when={c['when']}, chunks of {c['chunk_tokens']}")
+    for col in ("mode", "policy", "evict", "goodput rps", "vs vanilla", "unloaded TTFT s", "unloaded TPOT ms",
+                "probes: rps -> attainment (missed TTFT / TPOT)"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        g = r["goodput_search"]
+        probes = ", ".join(f"{p['rate_rps']:.3g} -> {p['attainment']:.2f} ({p.get('missed_ttft', '?')}/"
+                           f"{p.get('missed_tpot', '?')})" for p in g["probes"])
+        table.add_row(r["mode"], r["policy"], f"{r['eviction_ratio']:.1f}", _fmt(r["goodput_rps"], ".3g"),
+                      "-" if r.get("goodput_gain") is None else f"{r['goodput_gain']:.2f}x",
+                      f"{g['unloaded_ttft_s']:.2f}", f"{1e3 * g['unloaded_tpot_s']:.1f}", probes or "-")
+    out.print(table)
+    out.print(_slo_line(c))
+
+
 def print_report(result: dict[str, Any]) -> None:
     c = result["config"]
+    if "goodput" in result:  # --only goodput
+        print_goodput(result["goodput"], c)
+        out.print(f"{result['seconds']} s total ({result.get('cpu_seconds')} s of CPU time)")
+        return
     if "rows" not in result:  # --only stats-cost
         s = result["stats_cost"]
         out.print(f"{s['requests']} request(s) alone (prompt tokens {c['prompt_tokens_mean']:.0f}, outputs "
@@ -125,9 +155,7 @@ def print_report(result: dict[str, Any]) -> None:
                   f"{t['vanilla_tok_s']} tok/s {_sp(t, 'vanilla_tok_s')}, vToken H2O {t['eviction_ratio']} "
                   f"{t['vtoken_tok_s']} tok/s {_sp(t, 'vtoken_tok_s')}: {t['ratio']}x {_sp(t, 'ratio')} wall, "
                   f"{t['ratio_cpu']}x {_sp(t, 'ratio_cpu')} CPU time")
-    out.print(f"SLOs: TTFT <= {c['ttft_slo_s']} s ({c['ttft_slo_factor']}x vanilla unloaded {c['unloaded_ttft_s']} s), "
-              f"TPOT <= {1e3 * c['tpot_slo_s']:.1f} ms ({c['tpot_slo_factor']}x {1e3 * c['unloaded_tpot_s']:.1f} ms), "
-              f"attainment >= {c['slo_attainment']:.0%}, on the {c['clock']} clock")
+    out.print(_slo_line(c))
     out.print(f"overhead, policy none vs vanilla ({o['rounds']} interleaved rounds of {o['requests']} request(s)"
               f"{', engines rebuilt every round' if o.get('rebuilt_per_round') else ''}): "
               f"vanilla {o['vanilla_tok_s']} tok/s {_sp(o, 'vanilla_tok_s')}, plugin {o['plugin_none_tok_s']} tok/s "
@@ -165,8 +193,10 @@ def serve(
                                             "CPU time, idle gaps skipped: other jobs on the machine do not "
                                             "count) or wall")] = "cpu",
     requests: Annotated[int | None, typer.Option(min=1, help="requests in the trace")] = None,
-    prompt_tokens: Annotated[str | None, typer.Option(help="MIN,MAX prompt tokens (default 1024,2048)")] = None,
-    output_tokens: Annotated[str | None, typer.Option(help="MIN,MAX output tokens (default 128,256)")] = None,
+    prompt_tokens: Annotated[str | None, typer.Option(help="MIN,MAX prompt tokens (default 1024,1536; quick: "
+                                                           "1024,1152)")] = None,
+    output_tokens: Annotated[str | None, typer.Option(help="MIN,MAX output tokens (default 128,192; quick: "
+                                                           "64,96)")] = None,
     kv_blocks: Annotated[int | None, typer.Option(min=4, help="KV budget in 32-token blocks (default: vanilla "
                                                            "holds --vanilla-target whole requests)")] = None,
     vanilla_target: Annotated[float | None, typer.Option(min=1.0, help="requests vanilla holds at once when "
@@ -200,8 +230,9 @@ def serve(
                                                    "request holds budget + slack, e.g. 32 = one block")] = 0,
     rebuild: Annotated[bool | None, typer.Option(help="build the overhead / stats-cost engines afresh every round, in a "
                                                "rotated order (instance effects become spread, not bias); default: yes, --quick: no")] = None,
-    only: Annotated[str, typer.Option(help="all (the whole report) or stats-cost (only H2O 0.5 vs policy none "
-                                           "alone, interleaved --rounds: minutes, not the whole run; no plot)")]
+    only: Annotated[str, typer.Option(help="all (the whole report), stats-cost (only H2O 0.5 vs policy none "
+                                           "alone, interleaved --rounds: minutes, not the whole run; no plot) or "
+                                           "goodput (only vanilla's and the --goodput-rows' goodput; no plot)")]
     = "all",
     model: Annotated[str | None, typer.Option(help="model directory (default: SmolLM2-135M-Instruct)")] = None,
     plot: Annotated[Path, typer.Option(help="PNG plot path")] = Path("results/bench_serve.png"),

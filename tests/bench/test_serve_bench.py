@@ -17,6 +17,7 @@ from vtoken_bench.serve import (
     footprint_blocks,
     interleaved_order,
     meets_slo,
+    miss_counts,
     paired_ratio,
     poisson_arrivals,
     search_goodput,
@@ -44,6 +45,20 @@ def test_attainment_counts_requests_meeting_both() -> None:
     assert attainment([], [], 1.0, 1.0) == 0.0
     with pytest.raises(ValueError):
         attainment([1.0], [], 1.0, 1.0)
+
+
+def test_miss_counts_split_the_misses_by_slo() -> None:
+    ttft = [1.0, 1.0, 3.0, 1.0, None, 3.0, 1.0]
+    tpot = [0.05, 0.2, 0.05, 0.1, None, 0.3, None]
+    # TTFT: 3.0, None, 3.0; TPOT: 0.2, 0.3 (late on both), and the started request that never finished
+    assert miss_counts(ttft, tpot, 2.0, 0.1) == {"ttft": 3, "tpot": 3}
+    got = miss_counts(list(np.asarray(ttft[:4])), list(np.asarray(tpot[:4])), 2.0, 0.1)  # numpy scalars, as runs give
+    assert got == {"ttft": 1, "tpot": 1} and all(type(v) is int for v in got.values())  # JSON-serialisable
+    met = attainment(ttft, tpot, 2.0, 0.1) * len(ttft)
+    assert met == 2 and len(ttft) - met <= sum(miss_counts(ttft, tpot, 2.0, 0.1).values())
+    assert miss_counts([], [], 1.0, 1.0) == {"ttft": 0, "tpot": 0}
+    with pytest.raises(ValueError):
+        miss_counts([1.0], [], 1.0, 1.0)
 
 
 def test_tpot_and_allowed_misses() -> None:

@@ -159,6 +159,38 @@ def test_bench_serve_only_stats_cost_runs_the_paired_rounds_alone(tmp_path: Path
     assert "stats cost, H2O" in res.stdout and "H2O's extra time" in res.stdout
 
 
+@pytest.mark.vllm
+def test_bench_serve_only_goodput_searches_vanilla_then_the_named_rows(tmp_path: Path) -> None:
+    """`--only goodput`: vanilla's SLOs (from its unloaded requests, at the given multiples) and goodput, then
+    each --goodput-rows row's, searched on the same rates; every probe says what its misses missed."""
+    out, png = tmp_path / "g.json", tmp_path / "g.png"
+    res = runner.invoke(app, ["bench", "serve", "--only", "goodput", "--requests", "4", "--prompt-tokens", "96,128",
+                              "--output-tokens", "8,12", "--vanilla-target", "2", "--chunk", "64", "--step-tokens",
+                              "128", "--goodput-rows", "h2o@0.5,naive:h2o@0.7", "--goodput-requests", "3",
+                              "--bisect-steps", "0", "--ttft-slo-factor", "4", "--json", str(out), "--plot", str(png)])
+    assert res.exit_code == 0, res.output
+    d = json.loads(out.read_text())
+    assert "rows" not in d and "overhead" not in d and "stats_cost" not in d and not png.exists()
+    rows, c = d["goodput"], d["config"]
+    assert [(r["mode"], r["policy"], r["eviction_ratio"]) for r in rows] == [
+        ("vanilla", "none", 0.0), ("naive", "h2o", 0.7), ("vtoken", "h2o", 0.5)]
+    assert c["only"] == "goodput" and c["ttft_slo_factor"] == 4.0
+    assert c["ttft_slo_s"] == pytest.approx(4.0 * c["unloaded_ttft_s"], rel=1e-2)
+    assert c["tpot_slo_s"] == pytest.approx(3.0 * c["unloaded_tpot_s"], rel=1e-2)
+    van_gp = rows[0]["goodput_rps"]
+    for r in rows:
+        g = r["goodput_search"]
+        assert r["goodput_rps"] == g["goodput_rps"] >= 0 and g["probes"]
+        assert r["goodput_gain"] == (round(r["goodput_rps"] / van_gp, 3) if van_gp else None)
+        for p in g["probes"]:  # a request that met both SLOs missed neither
+            assert 0 <= p["missed_ttft"] <= 3 and 0 <= p["missed_tpot"] <= 3
+            assert round(p["attainment"] * 3) >= 3 - p["missed_ttft"] - p["missed_tpot"]
+            assert p["attainment"] < 1 or p["missed_ttft"] == p["missed_tpot"] == 0
+    if van_gp:  # the rows start on vanilla's grid: at its goodput
+        assert all(r["goodput_search"]["probes"][0]["rate_rps"] == pytest.approx(van_gp, rel=1e-3) for r in rows[1:])
+    assert "goodput" in res.stdout and "SLOs: TTFT" in res.stdout and "missed TTFT" in res.stdout
+
+
 def test_bench_serve_rejects_a_bad_only() -> None:
     res = runner.invoke(app, ["bench", "serve", "--only", "rows"])
     assert res.exit_code == 2 and "bad option value" in res.output and "stats-cost" in res.output
