@@ -82,6 +82,9 @@ class ServeConfig:
     # "naive:POLICY@RATIO" for a Naive-Evict row)
     goodput_rows: str = "h2o@0.5"
     goodput_requests: int = 12
+    # max_num_seqs of the goodput engines, vanilla's included (None: the trace size, no cap). On a compute-bound
+    # machine a cap keeps the prompts an evicting engine admits from stretching every running request's TPOT
+    goodput_max_seqs: int | None = None
     unloaded_requests: int = 3
     ttft_slo_factor: float = 5.0
     tpot_slo_factor: float = 3.0
@@ -141,6 +144,8 @@ class ServeConfig:
         if self.clock not in ("cpu", "wall"):
             raise ValueError(f"clock={self.clock!r}; expected cpu or wall")
         self.goodput_keys()  # raises on a malformed list
+        if self.goodput_max_seqs is not None and self.goodput_max_seqs < 1:
+            raise ValueError(f"goodput_max_seqs={self.goodput_max_seqs}; expected >= 1 (or None: no cap)")
         if self.workers < 1:
             raise ValueError(f"workers={self.workers}; expected >= 1")
         for name, (lo, hi) in (("prompt_tokens", self.prompt_tokens), ("output_tokens", self.output_tokens)):
@@ -861,6 +866,7 @@ def goodput_for(llm: Any, cfg: ServeConfig, trace: Trace, unloaded_trace: Trace,
         done_tp = [x for x in r.tpot if x is not None]
         out["probes"].append({"rate_rps": round(rate, 4), "attainment": round(a, 3), "aborted": r.aborted,
                               "missed_ttft": miss["ttft"], "missed_tpot": miss["tpot"],
+                              "running_peak": r.probe.max_running,
                               "seconds": round(r.seconds, 1),
                               "ttft_p90_s": round(float(np.percentile(done_tt, 90)), 3) if done_tt else None,
                               "tpot_p90_s": round(float(np.percentile(done_tp, 90)), 4) if done_tp else None})
@@ -891,17 +897,18 @@ def vanilla_goodput(van: Any, cfg: ServeConfig, gp_trace: Trace, un_trace: Trace
 
 
 def _rounded_slos(slo_cfg: dict[str, float]) -> dict[str, float]:
-    return {k: round(v, 3 if k.endswith("ttft_s") else 4) for k, v in slo_cfg.items()}
+    return {k: round(v, 3 if "ttft" in k else 4) for k, v in slo_cfg.items()}
 
 
 def run_goodput_only(cfg: ServeConfig, model_dir: str, trace: Trace, gp_trace: Trace, un_trace: Trace,
                      log: Callable[[str], None], el: Callable[[], str]
                      ) -> tuple[list[dict[str, Any]], dict[str, float]]:
-    """``--only goodput``: (b) alone. Vanilla's SLOs and goodput, then each goodput row's on an engine built,
-    searched on vanilla's grid of rates and freed in turn (vanilla is not used after the first of them).
-    Returns the rows ``{mode, policy, eviction_ratio, goodput_rps, goodput_gain, goodput_search}`` (vanilla
-    first) and the SLOs."""
-    n = len(trace)
+    """``--only goodput``, and (b) of the full run under ``goodput_max_seqs``: vanilla's SLOs and goodput, then
+    each goodput row's on an engine built, searched on vanilla's grid of rates and freed in turn (vanilla is
+    not used after the first of them); every engine capped at ``goodput_max_seqs`` running requests. Returns
+    the rows ``{mode, policy, eviction_ratio, goodput_rps, goodput_gain, goodput_search}`` (vanilla first)
+    and the SLOs."""
+    n = cfg.goodput_max_seqs or len(trace)
     van = build_engine(model_dir, cfg, None, max_num_seqs=n)
     _warm(van, trace)
     g, slo_cfg = vanilla_goodput(van, cfg, gp_trace, un_trace, log, el)
@@ -1063,11 +1070,16 @@ def run_serve_benchmark(cfg: ServeConfig, log: Callable[[str], None] = print) ->
     # (b) goodput: SLOs from vanilla's unloaded requests. vLLM's in-process engines share the process's
     # parallel groups and freeing any engine tears them down: an engine is never used after a later one
     # was freed (vanilla and the pair run first, every other engine is built, used and freed in turn)
-    g, slo_cfg = vanilla_goodput(van, cfg, gp_trace, un_trace, log, el)
+    goodput_done: dict[tuple[str, str, float], dict[str, Any]]
+    if cfg.goodput_max_seqs:  # capped engines of their own, every goodput row searched here
+        gp_rows, slo_cfg = run_goodput_only(cfg, model_dir, trace, gp_trace, un_trace, log, el)
+        goodput_done = {(r["mode"], r["policy"], r["eviction_ratio"]): r["goodput_search"] for r in gp_rows}
+    else:
+        g, slo_cfg = vanilla_goodput(van, cfg, gp_trace, un_trace, log, el)
+        goodput_done = {("vanilla", "none", 0.0): g}
     slo, start = (slo_cfg["ttft_slo_s"], slo_cfg["tpot_slo_s"]), 1.0 / slo_cfg["unloaded_ttft_s"]
-    goodput_done: dict[tuple[str, str, float], dict[str, Any]] = {("vanilla", "none", 0.0): g}
-    van_gp: float | None = g["goodput_rps"]
-    if pair_llm is not None and _wants_goodput(cfg, *pair):
+    van_gp: float | None = goodput_done[("vanilla", "none", 0.0)]["goodput_rps"]
+    if pair_llm is not None and _wants_goodput(cfg, *pair) and pair not in goodput_done:
         goodput_done[pair] = goodput_for(pair_llm, cfg, gp_trace, un_trace, slo, start, log, "vtoken h2o 0.5",
                                          ref=van_gp)
         log(f"vtoken h2o 0.5: goodput {goodput_done[pair]['goodput_rps']} rps {el()}")

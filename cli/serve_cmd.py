@@ -95,7 +95,8 @@ def print_stats_cost(s: dict[str, Any], c: dict[str, Any]) -> None:
 def _slo_line(c: dict[str, Any]) -> str:
     return (f"SLOs: TTFT <= {c['ttft_slo_s']} s ({c['ttft_slo_factor']}x vanilla unloaded {c['unloaded_ttft_s']} s), "
             f"TPOT <= {1e3 * c['tpot_slo_s']:.1f} ms ({c['tpot_slo_factor']}x {1e3 * c['unloaded_tpot_s']:.1f} ms), "
-            f"attainment >= {c['slo_attainment']:.0%}, on the {c['clock']} clock")
+            f"attainment >= {c['slo_attainment']:.0%}, on the {c['clock']} clock"
+            f"{'; goodput engines run at most ' + str(c['goodput_max_seqs']) if c.get('goodput_max_seqs') else ''}")
 
 
 def print_goodput(rows: list[dict[str, Any]], c: dict[str, Any]) -> None:
@@ -103,14 +104,15 @@ def print_goodput(rows: list[dict[str, Any]], c: dict[str, Any]) -> None:
     misses by SLO)."""
     table = Table(title=f"goodput, {c['goodput_requests']} requests per rate (prompt tokens "
                         f"{c['prompt_tokens_mean']:.0f}, outputs {c['output_tokens_mean']:.0f}), KV budget "
-                        f"{c['kv_blocks']} blocks x {c['block_size']}, when={c['when']}, chunks of {c['chunk_tokens']}")
+                        f"{c['kv_blocks']} blocks x {c['block_size']}, when={c['when']}, chunks of {c['chunk_tokens']}"
+                        f"{', at most ' + str(c['goodput_max_seqs']) + ' running' if c.get('goodput_max_seqs') else ''}")
     for col in ("mode", "policy", "evict", "goodput rps", "vs vanilla", "unloaded TTFT s", "unloaded TPOT ms",
-                "probes: rps -> attainment (missed TTFT / TPOT)"):
+                "probes: rps -> attainment (missed TTFT / TPOT, running peak)"):
         table.add_column(col, justify="right")
     for r in rows:
         g = r["goodput_search"]
         probes = ", ".join(f"{p['rate_rps']:.3g} -> {p['attainment']:.2f} ({p.get('missed_ttft', '?')}/"
-                           f"{p.get('missed_tpot', '?')})" for p in g["probes"])
+                           f"{p.get('missed_tpot', '?')}, {p.get('running_peak', '?')})" for p in g["probes"])
         table.add_row(r["mode"], r["policy"], f"{r['eviction_ratio']:.1f}", _fmt(r["goodput_rps"], ".3g"),
                       "-" if r.get("goodput_gain") is None else f"{r['goodput_gain']:.2f}x",
                       f"{g['unloaded_ttft_s']:.2f}", f"{1e3 * g['unloaded_tpot_s']:.1f}", probes or "-")
@@ -217,6 +219,9 @@ def serve(
                                                           "POLICY@RATIO[,...] (naive:POLICY@RATIO for Naive-Evict), "
                                                           "all or none (default h2o@0.5)")] = None,
     goodput_requests: Annotated[int | None, typer.Option(min=1, help="requests per rate probed")] = None,
+    goodput_max_seqs: Annotated[int | None, typer.Option(min=1, help="most requests a goodput engine runs at once "
+                                                                     "(vLLM's max_num_seqs, vanilla's too; default: "
+                                                                     "no cap)")] = None,
     bisect_steps: Annotated[int | None, typer.Option(min=0, help="bisection steps after bracketing")] = None,
     rounds: Annotated[int | None, typer.Option(min=1, help="interleaved rounds for overhead and stats cost")]
     = None,
@@ -255,7 +260,8 @@ def serve(
             cfg.output_tokens = _range(output_tokens, "output-tokens")
         for name, value in (("num_requests", requests), ("kv_blocks", kv_blocks), ("vanilla_target", vanilla_target),
                             ("chunk_tokens", chunk), ("step_tokens", step_tokens), ("goodput_rows", goodput_rows),
-                            ("goodput_requests", goodput_requests), ("bisect_steps", bisect_steps),
+                            ("goodput_requests", goodput_requests), ("goodput_max_seqs", goodput_max_seqs),
+                            ("bisect_steps", bisect_steps),
                             ("rounds", rounds), ("throughput_rounds", throughput_rounds),
                             ("throughput_requests", throughput_requests), ("workers", workers)):
             if value is not None:

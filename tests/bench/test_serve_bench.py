@@ -194,7 +194,8 @@ def test_config_validation() -> None:
     ServeConfig().validate()
     ServeConfig.quick().validate()
     for bad in (dict(when="decode"), dict(modes=("compact",)), dict(goodput_rows="some"),
-                dict(prompt_tokens=(10, 5)), dict(slo_attainment=0.0), dict(rate_factor=1.0), dict(ratios=(1.0,))):
+                dict(prompt_tokens=(10, 5)), dict(slo_attainment=0.0), dict(rate_factor=1.0), dict(ratios=(1.0,)),
+                dict(goodput_max_seqs=0), dict(only="rows")):
         with pytest.raises(ValueError):
             ServeConfig(**bad).validate()  # type: ignore[arg-type]
 

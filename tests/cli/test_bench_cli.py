@@ -138,6 +138,26 @@ def test_bench_serve_tiny_trace_json_schema_and_gains(tmp_path: Path) -> None:
 
 
 @pytest.mark.vllm
+def test_bench_serve_goodput_max_seqs_caps_only_the_goodput_engines(tmp_path: Path) -> None:
+    """The whole report with --goodput-max-seqs: the goodput searches run on capped engines of their own,
+    the concurrency rows and the closed loop on the uncapped ones."""
+    out = tmp_path / "s.json"
+    res = runner.invoke(app, ["bench", "serve", "--policies", "h2o", "--ratios", "0.5", "--modes", "vtoken",
+                              "--requests", "5", "--prompt-tokens", "96,128", "--output-tokens", "8,12",
+                              "--vanilla-target", "2", "--chunk", "64", "--step-tokens", "128", "--goodput-requests", "3",
+                              "--bisect-steps", "0", "--rounds", "1", "--throughput-rounds", "1", "--goodput-max-seqs",
+                              "2", "--json", str(out), "--plot", str(tmp_path / "s.png")])
+    assert res.exit_code == 0, res.output
+    d = json.loads(out.read_text())
+    rows = {(r["mode"], r["eviction_ratio"]): r for r in d["rows"]}
+    assert d["config"]["goodput_max_seqs"] == 2 and set(rows) == {("vanilla", 0.0), ("vtoken", 0.5)}
+    for r in rows.values():
+        assert r["goodput_rps"] == r["goodput_search"]["goodput_rps"] >= 0
+        assert all(p["running_peak"] <= 2 for p in r["goodput_search"]["probes"])
+    assert rows[("vtoken", 0.5)]["max_concurrency"] >= 3  # the uncapped engine held more than the cap
+
+
+@pytest.mark.vllm
 def test_bench_serve_only_stats_cost_runs_the_paired_rounds_alone(tmp_path: Path) -> None:
     """`--only stats-cost`: H2O 0.5, policy none and H2O with a one-block slack run the first request alone,
     interleaved; the report is the full benchmark's `stats_cost` object (no rows, no plot)."""
@@ -189,6 +209,17 @@ def test_bench_serve_only_goodput_searches_vanilla_then_the_named_rows(tmp_path:
     if van_gp:  # the rows start on vanilla's grid: at its goodput
         assert all(r["goodput_search"]["probes"][0]["rate_rps"] == pytest.approx(van_gp, rel=1e-3) for r in rows[1:])
     assert "goodput" in res.stdout and "SLOs: TTFT" in res.stdout and "missed TTFT" in res.stdout
+    # uncapped, vanilla runs the two requests its KV budget holds once the rate is high enough ...
+    assert max(p["running_peak"] for p in rows[0]["goodput_search"]["probes"]) == 2
+    # ... and --goodput-max-seqs 1 caps it (vanilla alone: --goodput-rows none)
+    res = runner.invoke(app, ["bench", "serve", "--only", "goodput", "--requests", "4", "--prompt-tokens", "96,128",
+                              "--output-tokens", "8,12", "--vanilla-target", "2", "--chunk", "64", "--step-tokens",
+                              "128", "--goodput-rows", "none", "--goodput-requests", "3", "--bisect-steps", "0",
+                              "--goodput-max-seqs", "1", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    d = json.loads(out.read_text())
+    assert [r["mode"] for r in d["goodput"]] == ["vanilla"] and d["config"]["goodput_max_seqs"] == 1
+    assert {p["running_peak"] for p in d["goodput"][0]["goodput_search"]["probes"]} == {1}
 
 
 def test_bench_serve_rejects_a_bad_only() -> None:
