@@ -1175,8 +1175,8 @@ def run_serve_benchmark(cfg: ServeConfig, log: Callable[[str], None] = print) ->
         row["goodput_gain"] = (round(row["goodput_rps"] / van_gp, 3) if van_gp and row["goodput_rps"] is not None
                                else None)
     config = report_config(cfg, trace)
-    config.update(**_rounded_slos(slo_cfg), stats_backend=backend, stats_backend_env=os.environ.get("VTOKEN_STATS_BACKEND"),
-                  kv_cache_memory_bytes=kv_bytes(model_dir, cfg.kv_blocks, cfg.block_size))
+    config.update(**_rounded_slos(slo_cfg), stats_backend=backend,
+                  stats_backend_env=os.environ.get("VTOKEN_STATS_BACKEND"), kv_cache_memory_bytes=kv_bytes(model_dir, cfg.kv_blocks, cfg.block_size))
     return {"rows": rows, "throughput": throughput, "overhead": overhead, "stats_cost": stats_cost, "config": config,
             "kv_cache_memory_bytes": config["kv_cache_memory_bytes"],
             "seconds": round(time.perf_counter() - t_start, 1),
