@@ -99,6 +99,12 @@ def _slo_line(c: dict[str, Any]) -> str:
             f"{'; goodput engines run at most ' + str(c['goodput_max_seqs']) if c.get('goodput_max_seqs') else ''}")
 
 
+def _probes(g: dict[str, Any]) -> str:
+    """A goodput search's probes in the order run: ``rate -> attainment (missed TTFT / TPOT, running peak)``."""
+    return ", ".join(f"{p['rate_rps']:.3g} -> {p['attainment']:.2f} ({p.get('missed_ttft', '?')}/"
+                     f"{p.get('missed_tpot', '?')}, {p.get('running_peak', '?')})" for p in g["probes"]) or "-"
+
+
 def print_goodput(rows: list[dict[str, Any]], c: dict[str, Any]) -> None:
     """``--only goodput``: per row its goodput, its gain over vanilla and every probe (rate: attainment,
     misses by SLO)."""
@@ -111,11 +117,9 @@ def print_goodput(rows: list[dict[str, Any]], c: dict[str, Any]) -> None:
         table.add_column(col, justify="right")
     for r in rows:
         g = r["goodput_search"]
-        probes = ", ".join(f"{p['rate_rps']:.3g} -> {p['attainment']:.2f} ({p.get('missed_ttft', '?')}/"
-                           f"{p.get('missed_tpot', '?')}, {p.get('running_peak', '?')})" for p in g["probes"])
         table.add_row(r["mode"], r["policy"], f"{r['eviction_ratio']:.1f}", _fmt(r["goodput_rps"], ".3g"),
                       "-" if r.get("goodput_gain") is None else f"{r['goodput_gain']:.2f}x",
-                      f"{g['unloaded_ttft_s']:.2f}", f"{1e3 * g['unloaded_tpot_s']:.1f}", probes or "-")
+                      f"{g['unloaded_ttft_s']:.2f}", f"{1e3 * g['unloaded_tpot_s']:.1f}", _probes(g))
     out.print(table)
     out.print(_slo_line(c))
 
@@ -158,6 +162,10 @@ def print_report(result: dict[str, Any]) -> None:
                   f"{t['vtoken_tok_s']} tok/s {_sp(t, 'vtoken_tok_s')}: {t['ratio']}x {_sp(t, 'ratio')} wall, "
                   f"{t['ratio_cpu']}x {_sp(t, 'ratio_cpu')} CPU time")
     out.print(_slo_line(c))
+    for r in result["rows"]:
+        if r.get("goodput_search"):
+            out.print(f"  goodput probes of {r['mode']} {r['policy']} {r['eviction_ratio']}, rps -> attainment "
+                      f"(missed TTFT / TPOT, running peak): {_probes(r['goodput_search'])}")
     out.print(f"overhead, policy none vs vanilla ({o['rounds']} interleaved rounds of {o['requests']} request(s)"
               f"{', engines rebuilt every round' if o.get('rebuilt_per_round') else ''}): "
               f"vanilla {o['vanilla_tok_s']} tok/s {_sp(o, 'vanilla_tok_s')}, plugin {o['plugin_none_tok_s']} tok/s "
