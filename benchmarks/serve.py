@@ -900,6 +900,21 @@ def _rounded_slos(slo_cfg: dict[str, float]) -> dict[str, float]:
     return {k: round(v, 3 if "ttft" in k else 4) for k, v in slo_cfg.items()}
 
 
+def goodput_on_new_engine(cfg: ServeConfig, model_dir: str, trace: Trace, key: tuple[str, str, float],
+                          gp_trace: Trace, un_trace: Trace, slo: tuple[float, float], start: float,
+                          van_gp: float | None, max_num_seqs: int, log: Callable[[str], None],
+                          el: Callable[[], str]) -> dict[str, Any]:
+    """The goodput search of row ``key = (mode, policy, ratio)`` on an engine built, searched on vanilla's grid
+    of rates (``ref=van_gp``) and freed here."""
+    mode, pol, r = key
+    llm = build_engine(model_dir, cfg, plugin_args(cfg, pol, r, mode), max_num_seqs=max_num_seqs)
+    _warm(llm, trace)
+    gs = goodput_for(llm, cfg, gp_trace, un_trace, slo, start, log, f"{mode} {pol} {r}", ref=van_gp)
+    log(f"{mode} {pol} {r}: goodput {gs['goodput_rps']} rps {el()}")
+    _free(llm)
+    return gs
+
+
 def run_goodput_only(cfg: ServeConfig, model_dir: str, trace: Trace, gp_trace: Trace, un_trace: Trace,
                      log: Callable[[str], None], el: Callable[[], str]
                      ) -> tuple[list[dict[str, Any]], dict[str, float]]:
@@ -917,12 +932,8 @@ def run_goodput_only(cfg: ServeConfig, model_dir: str, trace: Trace, gp_trace: T
     keys = cfg.goodput_keys()  # None ("all"): every configured row
     for mode, pol, r in ([(m, p, r) for p in cfg.policies for r in cfg.ratios for m in cfg.modes] if keys is None
                          else sorted(keys)):
-        llm = build_engine(model_dir, cfg, plugin_args(cfg, pol, r, mode), max_num_seqs=n)
-        _warm(llm, trace)
-        gs = goodput_for(llm, cfg, gp_trace, un_trace, slo, 1.0 / slo_cfg["unloaded_ttft_s"], log,
-                         f"{mode} {pol} {r}", ref=van_gp)
-        log(f"{mode} {pol} {r}: goodput {gs['goodput_rps']} rps {el()}")
-        _free(llm)
+        gs = goodput_on_new_engine(cfg, model_dir, trace, (mode, pol, r), gp_trace, un_trace, slo,
+                                   1.0 / slo_cfg["unloaded_ttft_s"], van_gp, n, log, el)
         rows.append({"mode": mode, "policy": pol, "eviction_ratio": r, "goodput_rps": gs["goodput_rps"],
                      "goodput_search": gs})
     _free(van)
@@ -1111,12 +1122,8 @@ def run_serve_benchmark(cfg: ServeConfig, log: Callable[[str], None] = print) ->
         if not _wants_goodput(cfg, *key):
             continue
         if key not in goodput_done:
-            llm = build_engine(model_dir, cfg, plugin_args(cfg, key[1], key[2], key[0]), max_num_seqs=n)
-            _warm(llm, trace)
-            goodput_done[key] = goodput_for(llm, cfg, gp_trace, un_trace, slo, start, log,
-                                            f"{key[0]} {key[1]} {key[2]}", ref=van_gp)
-            log(f"{key[0]} {key[1]} {key[2]}: goodput {goodput_done[key]['goodput_rps']} rps {el()}")
-            _free(llm)
+            goodput_done[key] = goodput_on_new_engine(cfg, model_dir, trace, key, gp_trace, un_trace, slo, start,
+                                                      van_gp, n, log, el)
         row.update(goodput_rps=goodput_done[key]["goodput_rps"], goodput_search=goodput_done[key])
     if pair_llm is not None:
         _free(pair_llm)
