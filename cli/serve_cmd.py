@@ -211,6 +211,9 @@ def serve(
                                                            "holds --vanilla-target whole requests)")] = None,
     vanilla_target: Annotated[float | None, typer.Option(min=1.0, help="requests vanilla holds at once when "
                                                                        "--kv-blocks is not given")] = None,
+    dtype: Annotated[str | None, typer.Option(help="model and KV cache dtype: float32 or bfloat16 (AMX CPUs: "
+                                                   "faster; engines whose policy reads attention use vLLM's vec "
+                                                   "attention kernels)")] = None,
     chunk: Annotated[int | None, typer.Option(min=16, help="a request's prefill chunk (vLLM's "
                                                          "long_prefill_token_threshold; default 128)")] = None,
     step_tokens: Annotated[int | None, typer.Option(min=16, help="tokens per engine step (max_num_batched_tokens: "
@@ -267,7 +270,7 @@ def serve(
         if output_tokens:
             cfg.output_tokens = _range(output_tokens, "output-tokens")
         for name, value in (("num_requests", requests), ("kv_blocks", kv_blocks), ("vanilla_target", vanilla_target),
-                            ("chunk_tokens", chunk), ("step_tokens", step_tokens), ("goodput_rows", goodput_rows),
+                            ("chunk_tokens", chunk), ("dtype", dtype), ("step_tokens", step_tokens), ("goodput_rows", goodput_rows),
                             ("goodput_requests", goodput_requests), ("goodput_max_seqs", goodput_max_seqs),
                             ("bisect_steps", bisect_steps),
                             ("rounds", rounds), ("throughput_rounds", throughput_rounds),

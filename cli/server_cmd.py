@@ -7,10 +7,12 @@ second with one line and exit code 2), prints the effective configuration, then 
 ``python -m vllm.entrypoints.openai.api_server --model MODEL <plugin flags> <your vLLM flags>``.
 
 On a machine without CUDA it chooses the CPU settings the plugin needs unless you set them:
-``VLLM_USE_V2_MODEL_RUNNER=0``, ``VLLM_CPU_OMP_THREADS_BIND=nobind``, ``--dtype float32`` (the probed
-CPU KV layout must be affine) and a 1 GiB KV cache (``--kv-cache-memory-bytes``; vLLM's CPU default
-reserves 92% of the machine's memory and refuses to start when that much is not free). ``PROMETHEUS_MULTIPROC_DIR`` is set to a fresh directory so the
-engine-core process's ``vtoken_*`` counters appear on the server's ``/metrics``.
+``VLLM_USE_V2_MODEL_RUNNER=0``, ``VLLM_CPU_OMP_THREADS_BIND=nobind`` and a 1 GiB KV cache
+(``--kv-cache-memory-bytes``; vLLM's CPU default reserves 92% of the machine's memory and refuses to start
+when that much is not free). The dtype is vLLM's (``--dtype auto``: SmolLM2 runs in bf16; on a CPU with AMX a
+policy that reads attention switches that engine's attention to vLLM's vec kernels, whose KV layout the
+statistics read in place). ``PROMETHEUS_MULTIPROC_DIR`` is set to a fresh directory so the engine-core
+process's ``vtoken_*`` counters appear on the server's ``/metrics``.
 """
 
 from __future__ import annotations
@@ -96,8 +98,6 @@ def server_command(model: str, policy: str, mode: str, eviction_ratio: float | N
     if not _cuda():
         env.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-        if _flag_value(vllm_args, "--dtype") is None:
-            extra += ["--dtype", "float32"]
         if _flag_value(vllm_args, "--kv-cache-memory-bytes") is None and \
                 _flag_value(vllm_args, "--gpu-memory-utilization") is None:
             extra += ["--kv-cache-memory-bytes", str(CPU_KV_BYTES)]  # vLLM's CPU default reserves 92% of RAM

@@ -24,9 +24,10 @@ class CacheQueries:
     table: TokenTable
     store: SlotStore
     pool: BlockPool
-    _kv: list[tuple[torch.Tensor, torch.Tensor]]
+    _kv: list[tuple[torch.Tensor, torch.Tensor] | None]  # None: a layout that cannot be viewed per token
     num_layers: int
     num_kv_heads: int
+    head_size: int
     num_rows: int
     block_size: int
     mode: str
@@ -36,12 +37,22 @@ class CacheQueries:
     def fence(self) -> None:  # provided by VTokenCache
         raise NotImplementedError
 
+    def kv_pair(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(K, V)``: ``[num_blocks, block_size, H_kv, D]`` views of layer ``layer`` (any strides). ValueError
+        when the engine's layout cannot be viewed per token (vLLM's CPU ``amx`` layout interleaves pairs of
+        dims / tokens): moves still work there, reading cached keys / values does not."""
+        pair = self._kv[layer]
+        if pair is None:
+            raise ValueError("vtoken: this KV cache's layout cannot be read per token (vLLM's CPU amx layout); "
+                             "reading cached keys / values needs an affine layout (the vec ISA)")
+        return pair
+
     def key_cache(self, layer: int) -> torch.Tensor:
         """``[num_blocks, block_size, H_kv, D]`` view of layer ``layer``'s keys (any strides)."""
-        return self._kv[layer][0]
+        return self.kv_pair(layer)[0]
 
     def value_cache(self, layer: int) -> torch.Tensor:
-        return self._kv[layer][1]
+        return self.kv_pair(layer)[1]
 
     def key_positions(self, layer: int) -> torch.Tensor:
         """``[H_kv or 1, num_slots]`` int64 true position per physical slot (-1 = empty/evicted)."""
@@ -52,7 +63,7 @@ class CacheQueries:
         self._check_layer(layer)
         pos, phys = self.live_slots(req_id)
         H, bs = self.num_kv_heads, self.block_size
-        kc, vc = self._kv[layer]
+        kc, vc = self.kv_pair(layer)
         if self.num_rows == 1:
             s = torch.as_tensor(phys[0], device=self.device)
             return (torch.as_tensor(pos, device=self.device), kc[s // bs, s % bs].permute(1, 0, 2),
@@ -79,7 +90,7 @@ class CacheQueries:
         B, H = len(phys), self.num_kv_heads
         N = width if width is not None else max(ns, default=0)
         dev, bs = self.device, self.block_size
-        D = self._kv[0][0].shape[-1]
+        D = self.head_size
         which = [i for i, n in enumerate(("key", "value")) if n in names]
         out = {("key", "value")[i]: torch.zeros((B, l1 - l0, H, N, D), dtype=torch.float32, device=dev)
                for i in which}
@@ -92,7 +103,7 @@ class CacheQueries:
             blk, off = s // bs, s % bs
             for layer in range(l0, l1):
                 for i in which:
-                    src = self._kv[layer][i][blk, off]  # [M, H, D]
+                    src = self.kv_pair(layer)[i][blk, off]  # [M, H, D]
                     out[("key", "value")[i]][:, layer - l0][b_idx, :, j_idx] = src.to(torch.float32)
             return out
         h_idx = torch.arange(H, device=dev)[:, None]
@@ -101,7 +112,7 @@ class CacheQueries:
                                 device=dev)  # [H, M]
             blk, off = s // bs, s % bs
             for i in which:
-                src = self._kv[layer][i][blk, off, h_idx.expand_as(s)]  # [H, M, D]
+                src = self.kv_pair(layer)[i][blk, off, h_idx.expand_as(s)]  # [H, M, D]
                 out[("key", "value")[i]][:, layer - l0][b_idx, :, j_idx] = src.transpose(0, 1).to(torch.float32)
         return out
 

@@ -100,14 +100,28 @@ def _affine(m: np.ndarray) -> tuple[int, int, int] | None:
     return (o, st, sd) if bool((m == o + t * st + d * sd).all()) else None
 
 
+def is_affine_layout(kmap: np.ndarray, vmap: np.ndarray) -> bool:
+    """Whether a probed layout (:func:`probe_cpu_kv_layout`) is affine per (block, head) region, i.e. K and
+    V can be viewed as strided ``[NB, bs, H, D]`` tensors. True for the ``vec`` ISA (fp32, bf16); false for
+    ``amx`` (bf16 on CPUs with AMX tiles), which interleaves pairs::
+
+        amx   K[t, d] at (d // 2) * 2 * bs + 2 * t + d % 2              (pairs of dims, token-major inside)
+              V[t, d] at bs * D + (t // 2) * 2 * D + 2 * d + t % 2     (pairs of tokens, dim-major inside)
+        vec   K[t, d] at d * bs + t          V[t, d] at bs * D + t * D + d
+    """
+    return _affine(kmap) is not None and _affine(vmap) is not None
+
+
 def vllm_cpu_views(kv_caches: Sequence[torch.Tensor], kmap: np.ndarray, vmap: np.ndarray
                    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``[NB, bs, H, D]`` (K, V) views of vLLM's CPU caches ``[NB, H, bs, 2D]`` for the probed layout
-    (:func:`probe_cpu_kv_layout`), which must be affine per block (true for the ``vec`` ISA in fp32)."""
+    (:func:`probe_cpu_kv_layout`), which must be affine per block (:func:`is_affine_layout`: the ``vec`` ISA,
+    fp32 or bf16)."""
     ka, va = _affine(kmap), _affine(vmap)
     if ka is None or va is None:
         raise ValueError(f"vtoken: the CPU KV layout of {kv_caches[0].dtype} is not affine per block; "
-                         "the torch reference views cannot address it (use float32 or another ISA)")
+                         "the torch reference views cannot address it (use the vec ISA: float32, or bfloat16 with a policy that "
+                         "reads the cache, which selects it)")
     bs, D = kmap.shape
     out = []
     for t in kv_caches:

@@ -47,7 +47,7 @@ from vtoken_runtime.stats import StatsCollector
 from vtoken_runtime.stats.queries import FUTURE_STATS, QueryWindows
 from vtoken_runtime.stats.rope import rotary_tables
 from vtoken_runtime.token_table import cdiv
-from vtoken_sdk.stats import KVCACHE_STATS, QUERY_STATS
+from vtoken_sdk.stats import ATTENTION_STATS, KVCACHE_STATS, QUERY_STATS
 
 from .collector import StepContext, VTokenAttentionImpl, build_step_index
 from .config import PluginConfig, RequestOptions, describe_policy, request_options
@@ -146,6 +146,7 @@ class VTokenRunnerMixin:
         stat_names = tuple(sorted(pol.stored_reads)) if pol is not None else ()
         sched = self.vllm_config.scheduler_config
         self._vt_pool = ExternalPool(nb, debug=self._vt_cfg.debug)
+        self._vt_rank, collective = _tp_collective(pol)
         cache = VTokenCache(
             num_layers=len(names), num_kv_heads=H, head_size=d2 // 2, block_size=bs, num_blocks=nb,
             granularity=pol.granularity if pol is not None else "request",
@@ -156,7 +157,6 @@ class VTokenRunnerMixin:
             kv_caches=list(kv), async_copy=True, debug=self._vt_cfg.debug, pool=self._vt_pool,
             **self._vt_kv_access(kv, layers[names[0]], spec))
         self._vt_cache = cache
-        self._vt_rank, collective = _tp_collective(pol)
         Hq = int(self.model_config.get_num_attention_heads(self.parallel_config))
         self._vt_queries = _query_store(pol, self.model_config, len(names), Hq, H, d2 // 2, kv[0].device)
         self._vt_driver = EvictionDriver(cache, collective=collective, queries=self._vt_queries)
@@ -173,13 +173,45 @@ class VTokenRunnerMixin:
     def _vt_kv_access(self, kv: list[torch.Tensor], layer: Any, spec: Any) -> dict[str, Any]:
         """How the cache reaches vLLM's K/V tensors (``VTokenCache`` keyword arguments). CPU: the layout
         probed with the real op (:mod:`.cpu_layout`); the GPU runner overrides this (:mod:`.gpu_worker`)."""
-        from .cpu_layout import VllmCpuCopyEngine, probe_cpu_kv_layout, vllm_cpu_views
+        from .cpu_layout import VllmCpuCopyEngine, is_affine_layout, probe_cpu_kv_layout, vllm_cpu_views
 
         _, _, bs, d2 = kv[0].shape
         copy_path = os.environ.get("VTOKEN_CPU_COPY")  # default "auto": the numba kernel when it imports
-        kmap, vmap = probe_cpu_kv_layout(getattr(layer, "isa", None) or "vec", kv[0].dtype, bs, d2 // 2)
-        return {"kv_layout": "vllm_cpu", "copy_path": copy_path, "kv_views": vllm_cpu_views(kv, kmap, vmap),
+        isa = getattr(layer, "isa", None) or "vec"
+        kmap, vmap = probe_cpu_kv_layout(isa, kv[0].dtype, bs, d2 // 2)
+        affine = is_affine_layout(kmap, vmap)
+        if not affine and reads_kv_cache(self._vt_policy):
+            # bf16 on an AMX CPU: vLLM's amx attention interleaves pairs, which the statistics kernels and the
+            # key / value reads cannot address per token. This engine's attention switches to the vec kernels
+            # (affine; the model's matmuls still run on AMX) before any token is cached
+            self._vt_set_attn_isa("vec")
+            if self._vt_rank == 0:
+                log.warning("vtoken: policy %r reads cached keys / attention, which vLLM's %r KV layout (%s) "
+                            "does not allow per token: attention uses the 'vec' kernels on this engine",
+                            self._vt_policy.name, isa, kv[0].dtype)
+            isa = "vec"
+            kmap, vmap = probe_cpu_kv_layout(isa, kv[0].dtype, bs, d2 // 2)
+            affine = is_affine_layout(kmap, vmap)
+            if not affine:
+                raise ValueError(f"vtoken: policy {self._vt_policy.name!r} reads the KV cache, whose CPU layout "
+                                 f"({kv[0].dtype}, isa 'vec') cannot be read per token; use --dtype float32")
+        views = vllm_cpu_views(kv, kmap, vmap) if affine else [None] * len(kv)  # None: nothing reads it
+        return {"kv_layout": "vllm_cpu", "copy_path": copy_path, "kv_views": views,
                 "copy_engine": partial(VllmCpuCopyEngine, kmap=kmap, vmap=vmap)}
+
+    def _vt_set_attn_isa(self, isa: str) -> None:
+        """Point vLLM's CPU attention (every metadata builder and attention layer) at kernel ``isa``. Only
+        before any token is cached: the layout of the cache is the ISA's."""
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention import Attention
+
+        for groups in getattr(self, "attn_groups", []):
+            for group in groups:
+                for builder in group.metadata_builders:
+                    if hasattr(builder, "isa"):
+                        builder.isa = isa
+        for layer in get_layers_from_vllm_config(self.vllm_config, Attention).values():
+            layer.isa = isa
 
     @property
     def vtoken_cache(self) -> Any:
@@ -354,6 +386,12 @@ class VTokenRunnerMixin:
                 cache.fence()
                 cache.check_invariants()
         return report
+
+
+def reads_kv_cache(policy: Any) -> bool:
+    """Whether ``policy`` reads what the KV cache holds: attention statistics (computed from the cached keys)
+    or key / value vectors. Norms are taken from the fresh K / V, positions from the token table."""
+    return policy is not None and bool(set(policy.reads) & (set(ATTENTION_STATS) | set(KVCACHE_STATS)))
 
 
 def check_vector_reads(policy: Any, kv_dtype: torch.dtype) -> None:
