@@ -222,6 +222,27 @@ def test_external_vllm_cpu_tensors_are_used_in_place() -> None:
     assert torch.equal(g.key_cache(0), pair[0][0]) and pair[0][0].abs().sum() > 0
 
 
+def test_a_layout_without_views_moves_but_refuses_reads() -> None:
+    """``kv_views`` None per layer (vLLM's CPU amx layout): eviction and compaction work, every access to cached
+    K/V through views (reads, the reference ``write_kv``) raises a ValueError naming the layout, and asking for
+    no vectors reads nothing."""
+    c = make(kv_views=[None, None])
+    c.add_request("a")
+    assert c.reserve("a", 12) is not None  # the engine writes K/V itself (vLLM's reshape_and_cache)
+    c.add_request("b")
+    with pytest.raises(ValueError, match="cannot be read per token"):
+        fill(c, "b", 4)
+    c.apply_keep_mask("a", np.array([1, 0] * 6, bool))
+    assert c.reclaim().tokens_moved > 0
+    c.fence()
+    assert c.held_blocks("a") == 2
+    for read in (lambda: c.key_cache(0), lambda: c.value_cache(1), lambda: c.gather_kv(0, "a"),
+                 lambda: c.gather_kv_vectors(["a"], ("key",))):
+        with pytest.raises(ValueError, match="cannot be read per token"):
+            read()
+    assert c.gather_kv_vectors(["a"], ()) == {}
+
+
 def test_debug_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VTOKEN_DEBUG", "1")
     assert debug_enabled() and not debug_enabled(False)
