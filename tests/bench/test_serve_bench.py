@@ -4,6 +4,7 @@ statistics of interleaved rounds, the trace and KV-budget sizing (no vLLM engine
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -195,9 +196,25 @@ def test_config_validation() -> None:
     ServeConfig.quick().validate()
     for bad in (dict(when="decode"), dict(modes=("compact",)), dict(goodput_rows="some"),
                 dict(prompt_tokens=(10, 5)), dict(slo_attainment=0.0), dict(rate_factor=1.0), dict(ratios=(1.0,)),
-                dict(goodput_max_seqs=0), dict(only="rows")):
+                dict(goodput_max_seqs=0), dict(only="rows"), dict(dtype="float16")):
         with pytest.raises(ValueError):
             ServeConfig(**bad).validate()  # type: ignore[arg-type]
+    ServeConfig(dtype="bfloat16").validate()
+
+
+def test_kv_bytes_follow_the_dtype(tmp_path: Path) -> None:
+    """The KV budget is counted in blocks: bf16 gets half the bytes of fp32 for the same blocks (SmolLM2-like
+    config: 30 layers x 3 KV heads x head 64)."""
+    import json
+
+    from vtoken_bench.serve import kv_bytes
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3,
+        "num_hidden_layers": 30, "intermediate_size": 1536, "vocab_size": 49152}))
+    fp32 = kv_bytes(str(tmp_path), 10, 32)
+    assert fp32 == 10 * 2 * 30 * 3 * 64 * 32 * 4
+    assert kv_bytes(str(tmp_path), 10, 32, "bfloat16") * 2 == fp32
 
 
 def test_summarize_interleaved_reports_medians_spreads_and_paired_ratios() -> None:
