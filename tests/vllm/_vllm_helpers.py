@@ -33,21 +33,21 @@ def make_tiny_model(path: Path, seed: int = 0) -> Path:
 
 
 def engine(model: str | Path, plugin: dict[str, Any] | None, *, max_model_len: int = 512, blocks: int = 64,
-           max_num_seqs: int = 8, block_size: int = 32, tokenizer: bool = False, **kw: Any) -> Any:
-    """An in-process vLLM ``LLM`` (fp32, eager). ``plugin=None`` is vanilla vLLM; otherwise the kwargs of
-    ``vllm_engine_args``. ``blocks`` sizes the KV cache through ``kv_cache_memory_bytes``."""
+           max_num_seqs: int = 8, block_size: int = 32, tokenizer: bool = False, dtype: str = "float32",
+           **kw: Any) -> Any:
+    """An in-process vLLM ``LLM`` (eager; ``dtype`` float32 or bfloat16). ``plugin=None`` is vanilla vLLM;
+    otherwise the kwargs of ``vllm_engine_args``. ``blocks`` sizes the KV cache through
+    ``kv_cache_memory_bytes`` (``vtoken_bench.serve.kv_bytes``, in the engine's dtype)."""
     set_env()
-    from transformers import AutoConfig
     from vllm import LLM
 
+    from vtoken_bench.serve import kv_bytes
     from vtoken_runtime.vllm_plugin import vllm_engine_args
 
-    cfg = AutoConfig.from_pretrained(str(model))
-    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    per_block = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * hd * block_size * 4
-    args: dict[str, Any] = dict(model=str(model), skip_tokenizer_init=not tokenizer, dtype="float32",
+    args: dict[str, Any] = dict(model=str(model), skip_tokenizer_init=not tokenizer, dtype=dtype,
                                 max_model_len=max_model_len, block_size=block_size,
-                                kv_cache_memory_bytes=blocks * per_block, enforce_eager=True,
+                                kv_cache_memory_bytes=kv_bytes(str(model), blocks, block_size, dtype),
+                                enforce_eager=True,
                                 max_num_seqs=max_num_seqs, seed=0, enable_prefix_caching=False)
     if plugin is not None:
         args.update(vllm_engine_args(**plugin))

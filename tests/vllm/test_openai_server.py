@@ -106,13 +106,15 @@ def _running_server(log: Path, args: list[str]) -> Iterator[Server]:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    from vtoken_bench.models import smollm2_path
+    from vtoken_bench.serve import kv_bytes
+
     # fp32: the twenty-requests test compares batched with alone outputs, which only batch-invariant numerics
     # allow (vanilla vLLM in bf16 gives other greedy tokens in a batch: 3 of 4 prompts measured)
-    per_block = 2 * 30 * 3 * 64 * 32 * 4  # SmolLM2: 30 layers x 3 KV heads x head 64, fp32, 32-token blocks
     with _running_server(tmp_path_factory.mktemp("server") / "server.log",
                          ["--policy", "h2o", "--eviction-ratio", "0.5", "--max-model-len", "1024",
                           "--max-num-seqs", "8", "--block-size", "32", "--enforce-eager", "--dtype", "float32",
-                          "--kv-cache-memory-bytes", str(BLOCKS * per_block)]) as srv:
+                          "--kv-cache-memory-bytes", str(kv_bytes(str(smollm2_path()), BLOCKS, 32))]) as srv:
         yield srv
 
 
