@@ -25,6 +25,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -62,8 +63,8 @@ class VTokenCache(CacheQueries):
     K/V per layer: ``kv_caches`` in ``kv_layout`` (``generic``: ``[2, NB, bs, H_kv, D]`` or a (K, V) pair;
     ``vllm_cpu``: ``[NB, H_kv, bs, 2*D]``), allocated here when None. ``kv_views`` (optional) are the
     ``[NB, bs, H_kv, D]`` (K, V) views of each layer the attention reference reads (any strides: a
-    probed vLLM layout; None for a layer whose layout cannot be viewed per token: then nothing may read it,
-    :meth:`kv_pair`); ``pool`` and ``copy_engine`` (a factory called like :class:`CopyEngine`) let an
+    probed vLLM layout; for a layer whose layout cannot be viewed per token, None (nothing may read it,
+    :meth:`kv_pair`) or a pair of element-map readers that only :meth:`gather_kv_vectors` indexes); ``pool`` and ``copy_engine`` (a factory called like :class:`CopyEngine`) let an
     engine drive allocation and moves on its own tensors. Rows R = 1 (``"request"``) or
     ``num_layers * num_kv_heads`` (``"head"``; row r = layer * H_kv + head).
     """
@@ -74,7 +75,7 @@ class VTokenCache(CacheQueries):
                  stat_names: Sequence[str] = (), max_requests: int = 256, max_blocks_per_request: int | None = None,
                  kv_caches: Sequence[torch.Tensor | KVPair] | None = None, async_copy: bool = True,
                  debug: bool | None = None, copy_chunk_bytes: int = 2 << 20, copy_path: str | None = None,
-                 kv_views: Sequence[KVPair | None] | None = None, pool: BlockPool | None = None,
+                 kv_views: Sequence[tuple[Any, Any] | None] | None = None, pool: BlockPool | None = None,
                  copy_engine: Callable[..., CopyEngine] = CopyEngine) -> None:
         for what, val, allowed in (("granularity", granularity, GRANULARITIES), ("mode", mode, MODES),
                                    ("kv_layout", kv_layout, KV_LAYOUTS)):
@@ -102,7 +103,7 @@ class VTokenCache(CacheQueries):
         views = list(kv_views) if kv_views is not None else [kv_views_of(t, kv_layout, head_size) for t in self.kv_caches]
         if len(views) != num_layers:
             raise ValueError(f"kv_views has {len(views)} layers, expected {num_layers}")
-        self._kv: list[KVPair | None] = views
+        self._kv: list[tuple[Any, Any] | None] = views
         self.pool = pool if pool is not None else BlockPool(num_blocks, debug=self.debug)
         self.table = TokenTable(self.num_rows, block_size, max_requests, self.max_blocks_per_request, self.device)
         self.store = SlotStore(num_layers, num_kv_heads, self.num_slots, self.num_rows, stat_names, self.device)

@@ -5,7 +5,7 @@ Nothing here changes bookkeeping; reads of tensors fence first (I3)."""
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -24,7 +24,7 @@ class CacheQueries:
     table: TokenTable
     store: SlotStore
     pool: BlockPool
-    _kv: list[tuple[torch.Tensor, torch.Tensor] | None]  # None: a layout that cannot be viewed per token
+    _kv: list[tuple[Any, Any] | None]  # views; element-map readers or None: a layout without views (amx)
     num_layers: int
     num_kv_heads: int
     head_size: int
@@ -40,12 +40,19 @@ class CacheQueries:
     def kv_pair(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(K, V)``: ``[num_blocks, block_size, H_kv, D]`` views of layer ``layer`` (any strides). ValueError
         when the engine's layout cannot be viewed per token (vLLM's CPU ``amx`` layout interleaves pairs of
-        dims / tokens): moves still work there, reading cached keys / values does not."""
+        dims / tokens): moves still work there, and so do the reads of :meth:`gather_kv_vectors` when the
+        engine gave element-map readers (``vllm_plugin.cpu_layout.MappedKV``), but no strided view exists."""
         pair = self._kv[layer]
-        if pair is None:
+        if pair is None or not isinstance(pair[0], torch.Tensor):
             raise ValueError("vtoken: this KV cache's layout cannot be read per token (vLLM's CPU amx layout); "
-                             "reading cached keys / values needs an affine layout (the vec ISA)")
+                             "reading cached keys / values through views needs an affine layout (the vec ISA)")
         return pair
+
+    def _kv_reader(self, layer: int) -> Any:
+        """What :meth:`gather_kv_vectors` indexes as ``x[blk, off]`` / ``x[blk, off, h]``: the views, or the
+        element-map readers of a layout without views (ValueError when neither exists)."""
+        pair = self._kv[layer]
+        return pair if pair is not None else self.kv_pair(layer)
 
     def key_cache(self, layer: int) -> torch.Tensor:
         """``[num_blocks, block_size, H_kv, D]`` view of layer ``layer``'s keys (any strides)."""
@@ -103,7 +110,7 @@ class CacheQueries:
             blk, off = s // bs, s % bs
             for layer in range(l0, l1):
                 for i in which:
-                    src = self.kv_pair(layer)[i][blk, off]  # [M, H, D]
+                    src = self._kv_reader(layer)[i][blk, off]  # [M, H, D]
                     out[("key", "value")[i]][:, layer - l0][b_idx, :, j_idx] = src.to(torch.float32)
             return out
         h_idx = torch.arange(H, device=dev)[:, None]
@@ -112,7 +119,7 @@ class CacheQueries:
                                 device=dev)  # [H, M]
             blk, off = s // bs, s % bs
             for i in which:
-                src = self.kv_pair(layer)[i][blk, off, h_idx.expand_as(s)]  # [H, M, D]
+                src = self._kv_reader(layer)[i][blk, off, h_idx.expand_as(s)]  # [H, M, D]
                 out[("key", "value")[i]][:, layer - l0][b_idx, :, j_idx] = src.transpose(0, 1).to(torch.float32)
         return out
 

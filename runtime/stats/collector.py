@@ -37,10 +37,12 @@ log = logging.getLogger("vtoken.stats")
 
 class StatsCollector:
     """Collects into ``cache`` (a :class:`~vtoken_runtime.cache.VTokenCache`); ``group_size`` = query heads
-    per KV head. ``seconds`` accumulates the time spent (statistics cost, reported by benchmarks)."""
+    per KV head. ``seconds`` accumulates the time spent (statistics cost, reported by benchmarks). ``keys``
+    (numba backend only): per layer, what the kernel reads instead of ``cache.key_cache(layer)``, for a cache
+    whose keys no strided view addresses (vLLM's CPU ``amx`` layout: :class:`~.cpu_kernel.PairedKeys`)."""
 
     def __init__(self, cache: Any, stat_names: Iterable[str], config: StatsConfig | None, group_size: int,
-                 backend: str | None = None) -> None:
+                 backend: str | None = None, keys: list[Any] | None = None) -> None:
         names = set(stat_names)
         self.cache = cache
         self.cfg = config or StatsConfig()
@@ -50,6 +52,10 @@ class StatsCollector:
         self.seconds = 0.0
         self.backend = resolve_backend(backend, cache.device)
         self._kernel = kernel_for(self.backend)
+        if keys is not None and (self.backend != "numba" or len(keys) != cache.num_layers):
+            raise ValueError(f"StatsCollector: keys (one per layer, {cache.num_layers}) are read by the numba backend "
+                             f"only; got {len(keys)} with backend {self.backend!r}")
+        self._keys = keys
         self._layers: dict[int, tuple[tuple[Any, ...], Any]] = {}  # numba: layer -> (its tensors, PreparedLayer)
         self._step: tuple[Any, Any, Any, Any] | None = None  # numba: (md, query_pos, prompt_lens, prepared step)
 
@@ -98,6 +104,9 @@ class StatsCollector:
             except ValueError:  # misuse: shapes, dtypes
                 raise
             except Exception as e:  # the kernel could not load or compile: it wrote nothing
+                if self._keys is not None:
+                    raise RuntimeError("vtoken: the numba statistics kernel failed and no other backend reads this "
+                                       f"cache's key layout ({type(e).__name__}: {e})") from e
                 log.warning("vtoken: the numba statistics kernel failed (%s: %s); the torch reference collects the "
                             "statistics from now on", type(e).__name__, e)
                 self.backend, self._kernel = "torch", None
@@ -119,7 +128,7 @@ class StatsCollector:
         from .cpu_kernel import prepare_layer, prepare_step, run_prepared
 
         cache, cfg = self.cache, self.cfg
-        key = (cache.key_cache(layer), cache.store.positions.data_ptr(),
+        key = (cache.key_cache(layer) if self._keys is None else self._keys[layer], cache.store.positions.data_ptr(),
                *(cache.store.tensor(n).data_ptr() for n in self.attn))
         prep = self._layers.get(layer)
         if prep is None or prep[0][0] is not key[0] or prep[0][1:] != key[1:]:

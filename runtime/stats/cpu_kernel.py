@@ -16,7 +16,9 @@ contiguous slice per ``d``; any other layout is read element by element. A dim-m
 that is a multiple of 8 and a request whose scores are cached (below) gathers no keys at all: pass 1
 reads each run in place, 32 / 16 / 8 keys per call and 8 per vector load per ``d``, each load shared by up to
 ``DOT_ROWS`` query heads of the GQA group (the same sums in the same order, so the same bits; the tile copy
-of 16-key runs cost more than the dot products it feeds, decode and prefill alike):
+of 16-key runs cost more than the dot products it feeds, decode and prefill alike). vLLM's bf16 ``amx`` layout
+stores K as pairs of dims per 32-bit word, dim-major by pair (:class:`PairedKeys`): the same paths read it, one
+word (load) per pair of dims, split into the two dims' fp32 bits (low half: dim 2p, high half: 2p + 1):
 
 1. pass 1: for every needed (query, query head) row, the scores ``s = scale * q . k`` (``_NEG`` where a key
    is not visible), their running max in ``LANES`` lanes per row (key ``jj`` of a tile on lane ``jj % LANES``;
@@ -80,6 +82,7 @@ from __future__ import annotations
 
 import math
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -90,7 +93,7 @@ from .reference import ATTENTION_STATS
 
 STAT_NAMES = ATTENTION_STATS
 
-__all__ = ["STAT_NAMES", "PreparedLayer", "kernels_available", "make_llvmlite_scan_safe", "prepare_layer", "prepare_step",
+__all__ = ["STAT_NAMES", "PairedKeys", "PreparedLayer", "kernels_available", "make_llvmlite_scan_safe", "prepare_layer", "prepare_step",
            "run_prepared", "update_attn_stats_cpu"]
 
 # fp32 constants (numba types numpy scalars by their dtype: the arithmetic stays in float32)
@@ -110,6 +113,10 @@ _P4 = np.float32(1.6666665459e-1)
 _P5 = np.float32(5.0000001201e-1)
 
 F_LAST, F_WIN = 2, 4  # per-query flags
+# key formats (``kfmt``): fp32 bits, one bf16 per 16-bit element (the value is the left shift that makes the fp32
+# bits), or bf16 pairs of dims in one 32-bit word (vLLM's CPU ``amx`` layout: dim 2p in the low half, 2p+1 high)
+KF_F32, KF_BF16, KF_PAIRS = 0, 16, 1
+_HI16 = np.uint32(0xFFFF0000)
 _MAX_TILE = 256
 # key tiles (transposed fp32 keys) kept between the passes of one (request, KV head); a longer request
 # re-gathers its earlier tiles in the sum pass and pass 2 (the chunk the previous pass ended on is reused)
@@ -142,12 +149,23 @@ def _py_fexp(x):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
     return y * _as_f32(np.uint32(e << np.uint32(23)))  # noqa: F821 - bound by _load()
 
 
-def _py_gather(kraw, shift, k_snb, k_sbs, k_sh, k_sd, bt, b, h, j0, nt, bs, kpos, kp_off, ktu, kp, slots, rowb,
+def _py_kbits(kraw, i, d, k_sd, kfmt):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+    """The fp32 bits of dim ``d`` of the key whose dim 0 lies at ``kraw[i]`` (``k_sd``: the stride per dim, per
+    pair of dims for ``KF_PAIRS``)."""
+    if kfmt == KF_PAIRS:
+        w = np.uint32(kraw[i + (d >> 1) * k_sd])
+        return np.uint32(w & _HI16) if d & 1 else np.uint32(w << np.uint32(16))
+    return np.uint32(np.uint32(kraw[i + d * k_sd]) << np.uint32(kfmt))
+
+
+def _py_gather(kraw, kfmt, k_snb, k_sbs, k_sh, k_sd, k_seg, k_sseg, bt, b, h, j0, nt, bs, kpos, kp_off, ktu, kp, slots, rowb,
                BN, D, copy):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
     """Key tile: virtual slots ``j0 .. j0+nt-1`` of request ``b``, KV head ``h`` -> ``ktu[d*BN + jj]`` (the fp32
     tile's bits: fp32 bits as they are, bf16 bits shifted into the high half; zeros up to the tile's
     compute width; only if ``copy``), true positions ``kp`` (-1 past ``nt``), physical ``slots`` and the
-    keys' offsets ``rowb`` in ``kraw`` (of d = 0). Returns the tile's smallest valid position (2**62 if none)."""
+    keys' offsets ``rowb`` in ``kraw`` (of d = 0). A block's slots are stored in segments of ``k_seg`` slots
+    (``k_sseg`` apart; ``k_seg = bs`` for a plain strided layout, 16 for vLLM's amx). Returns the tile's smallest
+    valid position (2**62 if none)."""
     kmin = np.int64(1) << np.int64(62)
     bi = j0 // bs  # block-table column and offset of key jj (no division per key)
     off = j0 - bi * bs
@@ -163,32 +181,44 @@ def _py_gather(kraw, shift, k_snb, k_sbs, k_sh, k_sd, bt, b, h, j0, nt, bs, kpos
         kp[jj] = p
         if p >= 0 and p < kmin:
             kmin = p
-        rowb[jj] = blk * k_snb + off * k_sbs + h * k_sh
+        rowb[jj] = blk * k_snb + (off // k_seg) * k_sseg + (off % k_seg) * k_sbs + h * k_sh
         off += 1
     for jj in range(nt, BN):
         kp[jj] = -1
         slots[jj] = 0
     if not copy:
         return kmin
-    sh = np.uint32(shift)
+    sh = np.uint32(kfmt)
     BNe = _width(nt, BN)  # noqa: F821
     if k_sbs == 1 and k_sd != 1:
-        # dim-major blocks (vLLM's CPU layout): the tile's keys inside one block are contiguous along the
-        # slot for every d -> per run of consecutive keys in one block, D contiguous row copies
+        # dim-major blocks (vLLM's CPU layouts): the tile's keys inside one segment of a block are contiguous
+        # along the slot for every d (every pair of dims: amx) -> per run of consecutive keys in one segment,
+        # D (D / 2) contiguous row copies
         jj0 = 0
         while jj0 < nt:
-            run = min(bs - (j0 + jj0) % bs, nt - jj0)
+            run = min(k_seg - (j0 + jj0) % k_seg, nt - jj0)
             base = rowb[jj0]
-            for d in range(D):
-                src = kraw[base + d * k_sd:base + d * k_sd + run]
-                dst = ktu[d * BN + jj0:d * BN + jj0 + run]
-                for u in range(run):
-                    dst[u] = np.uint32(src[u]) << sh
+            if kfmt == KF_PAIRS:
+                for p in range(D // 2):
+                    src = kraw[base + p * k_sd:base + p * k_sd + run]
+                    d_lo = ktu[2 * p * BN + jj0:2 * p * BN + jj0 + run]
+                    d_hi = ktu[(2 * p + 1) * BN + jj0:(2 * p + 1) * BN + jj0 + run]
+                    for u in range(run):
+                        w = np.uint32(src[u])
+                        d_lo[u] = w << np.uint32(16)
+                        d_hi[u] = w & _HI16
+            else:
+                for d in range(D):
+                    src = kraw[base + d * k_sd:base + d * k_sd + run]
+                    dst = ktu[d * BN + jj0:d * BN + jj0 + run]
+                    for u in range(run):
+                        dst[u] = np.uint32(src[u]) << sh
             jj0 += run
         n_done = nt
     else:
         n_done = 0
-    n8 = nt - nt % 8 if k_sd == 1 else 0  # vector path: unit stride along D (else the scalar loop below)
+    # vector path: unit stride along D (else the scalar loop below)
+    n8 = nt - nt % 8 if k_sd == 1 and kfmt != KF_PAIRS else 0
     D8 = D - D % 8
     for jb in range(0, n8, 8):  # 8 x 8 blocks: vector loads + in-register transpose
         for d0 in range(0, D8, 8):
@@ -196,7 +226,7 @@ def _py_gather(kraw, shift, k_snb, k_sbs, k_sh, k_sd, bt, b, h, j0, nt, bs, kpos
     for d in range(D):
         row = ktu[d * BN:(d + 1) * BN]
         for jj in range(max(n_done, n8 if d < D8 else 0), nt):
-            row[jj] = np.uint32(kraw[rowb[jj] + d * k_sd]) << sh
+            row[jj] = _kbits(kraw, rowb[jj], d, k_sd, kfmt)  # noqa: F821
         for jj in range(nt, BNe):
             row[jj] = np.uint32(0)
     return kmin
@@ -240,23 +270,25 @@ def _py_scores(qb, r0, G, D, kt, kto, acc, ao, BN, BNe):  # type: ignore[no-unty
                 acc[ab + jj] = _fma32(q0, kt[k0 + jj], acc[ab + jj])  # noqa: F821
 
 
-def _py_scores_direct(qb, r0, G, D, kraw, shift, rowb, j0, nt, bs, k_sd, acc, ao, BN,
+def _py_scores_direct(qb, r0, G, D, kraw, kfmt, rowb, j0, nt, seg, k_sd, acc, ao, BN,
                       BNe):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
-    """:func:`_py_scores` read straight from a dim-major cache (unit stride along the block slot, ``bs % 8 == 0``)
-    instead of a gathered tile: per run of the tile's keys inside one block, 32 / 16 / 8 keys per call for up to
+    """:func:`_py_scores` read straight from a dim-major cache (unit stride along the block slot inside segments of
+    ``seg`` slots, ``seg % 8 == 0``) instead of a gathered tile: per run of the tile's keys inside one segment,
+    32 / 16 / 8 keys per call for up to
     ``DOT_ROWS`` of the G query heads at once (``_dot32`` / ``_dot16`` / ``_dot8``: vector loads of
     ``kraw[rowb + d*k_sd ...]``, the key's fp32 bits as the gather would write them, one per 8 keys and d serving
-    every row; rows x keys / 8 independent accumulators keep the FMA units busy), the rest one by one. Every
-    score is the same sum in the same order (from 0, fma over d in order): the same bits."""
-    sh = np.uint32(shift)
+    every row; rows x keys / 8 independent accumulators keep the FMA units busy; ``KF_PAIRS``: one vector load of
+    8 words per pair of dims, split into the two dims' keys), the rest one by one. Every score is the same sum in
+    the same order (from 0, fma over d in order): the same bits."""
+    pairs = kfmt == KF_PAIRS
     jj0 = 0
-    off = j0 % bs  # of the tile's first key; later runs start blocks
+    off = j0 % seg  # of the tile's first key; later runs start segments
     while jj0 < nt:
-        run = min(bs - off, nt - jj0)
+        run = min(seg - off, nt - jj0)
         n8 = run - run % 8
-        if n8 < run and off + n8 + 8 <= bs and jj0 + n8 + 8 <= BN:
-            # the tile ends inside this block (e.g. a request's partial last block) and 8 more keys stay inside
-            # the block's rows: their scores past ``nt`` land before ``BN`` (zeroed below up to ``BNe``, never
+        if n8 < run and off + n8 + 8 <= seg and jj0 + n8 + 8 <= BN:
+            # the tile ends inside this segment (e.g. a request's partial last block) and 8 more keys stay inside
+            # the segment's rows: their scores past ``nt`` land before ``BN`` (zeroed below up to ``BNe``, never
             # read past it)
             n8 += 8
         base = rowb[jj0]
@@ -267,13 +299,13 @@ def _py_scores_direct(qb, r0, G, D, kraw, shift, rowb, j0, nt, bs, k_sd, acc, ao
             o = ao + g * BN + jj0
             u = 0
             while u + 32 <= n8:
-                _dot32(qb, qo, nr, kraw, base + u, k_sd, D, acc, o + u, BN)  # noqa: F821
+                _dot32(qb, qo, nr, kraw, base + u, k_sd, D, acc, o + u, BN, pairs)  # noqa: F821
                 u += 32
             if u + 16 <= n8:
-                _dot16(qb, qo, nr, kraw, base + u, k_sd, D, acc, o + u, BN)  # noqa: F821
+                _dot16(qb, qo, nr, kraw, base + u, k_sd, D, acc, o + u, BN, pairs)  # noqa: F821
                 u += 16
             if u < n8:
-                _dot8(qb, qo, nr, kraw, base + u, k_sd, D, acc, o + u, BN)  # noqa: F821
+                _dot8(qb, qo, nr, kraw, base + u, k_sd, D, acc, o + u, BN, pairs)  # noqa: F821
             g += nr
         for g in range(G):
             qo = (r0 + g) * D
@@ -281,7 +313,7 @@ def _py_scores_direct(qb, r0, G, D, kraw, shift, rowb, j0, nt, bs, k_sd, acc, ao
             for u in range(n8, run):
                 a = _F0
                 for d in range(D):
-                    a = _fma32(qb[qo + d], _as_f32(np.uint32(np.uint32(kraw[base + u + d * k_sd]) << sh)), a)  # noqa: F821
+                    a = _fma32(qb[qo + d], _as_f32(_kbits(kraw, base + u, d, k_sd, kfmt)), a)  # noqa: F821
                 acc[o + u] = a
         jj0 += run
         off = 0
@@ -308,12 +340,12 @@ def _py_sees(kp, kpo, qp, n_vis, kmin, vis, BNe):  # type: ignore[no-untyped-def
     return qp >= kmin and n_vis > 0 and _visible(kp, kpo, qp, vis, BNe) > 0  # noqa: F821
 
 
-def _py_masked_scores(qb, i, G, D, kt, kto, vis, buf, bo, scale, BN, BNe, direct, kraw, shift, rowb, j0, nt, bs,
+def _py_masked_scores(qb, i, G, D, kt, kto, vis, buf, bo, scale, BN, BNe, direct, kraw, kfmt, rowb, j0, nt, seg,
                       k_sd):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
     """``buf[bo + g*BN + jj] = scale * q . k`` of query ``i``'s G rows over one tile, ``_NEG`` where not visible
     (``vis`` of this query); ``direct``: the dot products read the cache, else the gathered tile at ``kt[kto:]``."""
     if direct:
-        _scores_direct(qb, i * G, G, D, kraw, shift, rowb, j0, nt, bs, k_sd, buf, bo, BN, BNe)  # noqa: F821
+        _scores_direct(qb, i * G, G, D, kraw, kfmt, rowb, j0, nt, seg, k_sd, buf, bo, BN, BNe)  # noqa: F821
     else:
         _scores(qb, i * G, G, D, kt, kto, buf, bo, BN, BNe)  # noqa: F821
     for g in range(G):
@@ -324,7 +356,7 @@ def _py_masked_scores(qb, i, G, D, kt, kto, vis, buf, bo, scale, BN, BNe, direct
 
 
 def _py_pass1(qb, n_need, qp_n, G, D, kt, kto, kp, kpo, kmin, nt, vis, acc, sc, sc_off, cached, ml, nvis, scale,
-              BN, W, direct, kraw, shift, rowb, j0, bs, k_sd):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+              BN, W, direct, kraw, kfmt, rowb, j0, seg, k_sd):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
     """One key tile of pass 1: the masked scaled scores of every needed row (:func:`_py_masked_scores`; kept in
     ``sc[sc_off + i*G*BN ...]`` for the next passes when ``cached``, else in ``acc``) and the running max of each
     row's ``W`` lanes (key ``jj`` of a tile goes to lane ``jj % W``): ``ml``; ``nvis[i]`` += visible keys of query
@@ -341,7 +373,7 @@ def _py_pass1(qb, n_need, qp_n, G, D, kt, kto, kp, kpo, kmin, nt, vis, acc, sc, 
             continue
         nvis[i] += cnt
         bo = sc_off + i * GB if cached else 0
-        _masked_scores(qb, i, G, D, kt, kto, vis, buf, bo, scale, BN, BNe, direct, kraw, shift, rowb, j0, nt, bs,  # noqa: F821
+        _masked_scores(qb, i, G, D, kt, kto, vis, buf, bo, scale, BN, BNe, direct, kraw, kfmt, rowb, j0, nt, seg,  # noqa: F821
                        k_sd)
         for g in range(G):
             mo = np.uint64((i * G + g) * W)
@@ -354,7 +386,7 @@ def _py_pass1(qb, n_need, qp_n, G, D, kt, kto, kp, kpo, kmin, nt, vis, acc, sc, 
 
 
 def _py_pass1b(qb, n_need, qp_n, nvis, m, G, D, kt, kto, kp, kpo, kmin, nt, vis, acc, sc, sc_off, cached, ll, scale,
-               BN, W, kraw, shift, rowb, j0, bs, k_sd):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+               BN, W, kraw, kfmt, rowb, j0, seg, k_sd):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
     """One key tile of the sum pass, once the row maxima ``m`` are final: ``e = exp(s - m)`` per visible
     (row, key) (0 elsewhere) added to the row's lane ``jj % W`` of ``ll`` (tiles in ascending order, in key
     order within a tile). ``cached``: ``e`` replaces the score in ``sc`` (pass 2 then computes no
@@ -367,8 +399,8 @@ def _py_pass1b(qb, n_need, qp_n, nvis, m, G, D, kt, kto, kp, kpo, kmin, nt, vis,
             continue
         bo = sc_off + i * GB if cached else 0
         if not cached:
-            _masked_scores(qb, i, G, D, kt, kto, vis, buf, bo, scale, BN, BNe, False, kraw, shift, rowb, j0, nt,  # noqa: F821
-                           bs, k_sd)
+            _masked_scores(qb, i, G, D, kt, kto, vis, buf, bo, scale, BN, BNe, False, kraw, kfmt, rowb, j0, nt,  # noqa: F821
+                           seg, k_sd)
         for g in range(G):
             mg = m[i * G + g]
             lo = np.uint64((i * G + g) * W)
@@ -385,7 +417,7 @@ def _py_pass1b(qb, n_need, qp_n, nvis, m, G, D, kt, kto, kp, kpo, kmin, nt, vis,
 
 def _py_pass2(qb, n_need, qp_n, fl_n, w_n, thr_n, nvis, m, invl, G, D, kt, kto, kp, kpo, kmin, nt, vis, acc, sc,
               sc_off, cached, P, a_sum, a_last, a_win, a_low, ao, do_sum, do_last, do_win, do_low, scale,
-              BN, kraw, shift, rowb, j0, bs, k_sd):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+              BN, kraw, kfmt, rowb, j0, seg, k_sd):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
     """One key tile of pass 2: ``P = sum_g exp(s - m_g) * (1 / l_g)`` per (query, key), reduced over the
     queries (in order) into the tile's contributions ``a_*[ao + jj]``. ``cached``: the exponentials are the sum
     pass's (``sc``); else the scores and their exponentials are recomputed (same bits)."""
@@ -407,8 +439,8 @@ def _py_pass2(qb, n_need, qp_n, fl_n, w_n, thr_n, nvis, m, invl, G, D, kt, kto, 
                 for jj in range(n):
                     P[jj] += buf[ab + jj] * il  # exp(s - m), 0 where not visible
         else:
-            _masked_scores(qb, i, G, D, kt, kto, vis, buf, bo, scale, BN, BNe, False, kraw, shift, rowb, j0, nt,  # noqa: F821
-                           bs, k_sd)
+            _masked_scores(qb, i, G, D, kt, kto, vis, buf, bo, scale, BN, BNe, False, kraw, kfmt, rowb, j0, nt,  # noqa: F821
+                           seg, k_sd)
             for g in range(G):
                 mg = m[i * G + g]
                 il = invl[i * G + g]
@@ -434,7 +466,7 @@ def _py_pass2(qb, n_need, qp_n, fl_n, w_n, thr_n, nvis, m, invl, G, D, kt, kto, 
                 a_low[ou + jj] += wi if (vis[jj] & (P[jj] < th)) else _F0
 
 
-def _py_kernel(qf, kraw, shift, k_snb, k_sbs, k_sh, k_sd, bt, lens, qpos, plen, kpos, kp_rs, bs, Hkv,
+def _py_kernel(qf, kraw, kfmt, k_snb, k_sbs, k_sh, k_sd, k_seg, k_sseg, bt, lens, qpos, plen, kpos, kp_rs, bs, Hkv,
                out_sum, out_last, out_win, out_low, o_rs, do_sum, do_last, do_win, do_low,
                scale, obs_window, decay, thr_g, BN, max_tiles, max_scores):  # type: ignore[no-untyped-def]  # pragma: no cover
     B, Q, Hq, D = qf.shape
@@ -524,7 +556,7 @@ def _py_kernel(qf, kraw, shift, k_snb, k_sbs, k_sh, k_sd, bt, lens, qpos, plen, 
         QB = max(1, min(n_need, n_sc // one)) if cached else max(1, n_need)
         # dim-major cache (vLLM's CPU layout) and cached scores: pass 1 reads the keys in place, no key tiles
         # (pass 2 reads no keys); the tile copy costs more than the dot products it would speed up
-        direct = cached and k_sbs == 1 and k_sd != 1 and bs % 8 == 0
+        direct = cached and k_sbs == 1 and k_sd != 1 and k_seg % 8 == 0
         for h in range(Hkv):
             kp_off = h * kp_rs if per_head else 0
             for c in (c_sum, c_last, c_win, c_low):  # zeroed once per (request, head): pass 2 adds every block
@@ -551,11 +583,11 @@ def _py_kernel(qf, kraw, shift, k_snb, k_sbs, k_sh, k_sd, bt, lens, qpos, plen, 
                             ti = t - c0
                             nt = min(BN, n_len - t * BN)
                             if q0 == 0 or n_tiles > CT or direct:  # later blocks: the key offsets of in-place dots
-                                kmins[ti] = _gather(kraw, shift, k_snb, k_sbs, k_sh, k_sd, bt, b, h, t * BN, nt, bs,  # noqa: F821
+                                kmins[ti] = _gather(kraw, kfmt, k_snb, k_sbs, k_sh, k_sd, k_seg, k_sseg, bt, b, h, t * BN, nt, bs,  # noqa: F821
                                                     kpos, kp_off, ktu[ti * TS:(ti + 1) * TS], kps[ti * BN:(ti + 1) * BN],
                                                     slts[ti * BN:(ti + 1) * BN], rowb, BN, D, not direct)
                             _pass1(qb, nq, qp_b, G, D, kts, ti * TS, kps, ti * BN, kmins[ti], nt, vis, acc, sc,  # noqa: F821
-                                   ti * RS, cached, ml, nv_b, scale, BN, W, direct, kraw, shift, rowb, t * BN, bs, k_sd)
+                                   ti * RS, cached, ml, nv_b, scale, BN, W, direct, kraw, kfmt, rowb, t * BN, k_seg, k_sd)
                     for r in range(nq * G):  # the row max: max over the lanes
                         mr = ml[r * W:(r + 1) * W]
                         mx = _NEG
@@ -569,11 +601,11 @@ def _py_kernel(qf, kraw, shift, k_snb, k_sbs, k_sh, k_sd, bt, lens, qpos, plen, 
                             ti = t - c0
                             nt = min(BN, n_len - t * BN)
                             if n_tiles > CT:
-                                kmins[ti] = _gather(kraw, shift, k_snb, k_sbs, k_sh, k_sd, bt, b, h, t * BN, nt, bs,  # noqa: F821
+                                kmins[ti] = _gather(kraw, kfmt, k_snb, k_sbs, k_sh, k_sd, k_seg, k_sseg, bt, b, h, t * BN, nt, bs,  # noqa: F821
                                                     kpos, kp_off, ktu[ti * TS:(ti + 1) * TS], kps[ti * BN:(ti + 1) * BN],
                                                     slts[ti * BN:(ti + 1) * BN], rowb, BN, D, True)
                             _pass1b(qb, nq, qp_b, nv_b, m, G, D, kts, ti * TS, kps, ti * BN, kmins[ti], nt, vis, acc,  # noqa: F821
-                                    sc, ti * RS, cached, ll, scale, BN, W, kraw, shift, rowb, t * BN, bs, k_sd)
+                                    sc, ti * RS, cached, ll, scale, BN, W, kraw, kfmt, rowb, t * BN, k_seg, k_sd)
                     for r in range(nq * G):
                         lr = ll[r * W:(r + 1) * W]
                         lsum = _F0
@@ -588,13 +620,13 @@ def _py_kernel(qf, kraw, shift, k_snb, k_sbs, k_sh, k_sd, bt, lens, qpos, plen, 
                         ti = t - c0
                         nt = min(BN, n_len - t * BN)
                         if nq == 0 or c0 != last_c0:
-                            kmins[ti] = _gather(kraw, shift, k_snb, k_sbs, k_sh, k_sd, bt, b, h, t * BN, nt, bs, kpos,  # noqa: F821
+                            kmins[ti] = _gather(kraw, kfmt, k_snb, k_sbs, k_sh, k_sd, k_seg, k_sseg, bt, b, h, t * BN, nt, bs, kpos,  # noqa: F821
                                                 kp_off, ktu[ti * TS:(ti + 1) * TS], kps[ti * BN:(ti + 1) * BN],
                                                 slts[ti * BN:(ti + 1) * BN], rowb, BN, D, nq > 0 and not cached)
                         _pass2(qb, nq, qp_b, fl_n[q0:q0 + nq], w_n[q0:q0 + nq], thr_n, nv_b, m, invl, G, D, kts,  # noqa: F821
                                ti * TS, kps, ti * BN, kmins[ti], nt, vis, acc, sc, ti * RS, cached, P, c_sum, c_last,
-                               c_win, c_low, t * BN, do_sum, do_last, do_win, do_low, scale, BN, kraw, shift, rowb,
-                               t * BN, bs, k_sd)
+                               c_win, c_low, t * BN, do_sum, do_last, do_win, do_low, scale, BN, kraw, kfmt, rowb,
+                               t * BN, k_seg, k_sd)
             # ---- fold into the per-slot stores (chunks ascending: pass 2 left the first one in the scratch)
             ob = h * o_rs
             for c0 in range(0, n_tiles, CT):
@@ -602,7 +634,7 @@ def _py_kernel(qf, kraw, shift, k_snb, k_sbs, k_sh, k_sd, bt, lens, qpos, plen, 
                     ti = t - c0
                     nt = min(BN, n_len - t * BN)
                     if c0 != 0:
-                        _gather(kraw, shift, k_snb, k_sbs, k_sh, k_sd, bt, b, h, t * BN, nt, bs, kpos,  # noqa: F821
+                        _gather(kraw, kfmt, k_snb, k_sbs, k_sh, k_sd, k_seg, k_sseg, bt, b, h, t * BN, nt, bs, kpos,  # noqa: F821
                                 kp_off, ktu[ti * TS:(ti + 1) * TS], kps[ti * BN:(ti + 1) * BN],
                                 slts[ti * BN:(ti + 1) * BN], rowb, BN, D, False)
                     sl = slts[ti * BN:(ti + 1) * BN]
@@ -718,13 +750,16 @@ def _load() -> Any:
             bits widened into the high half of the fp32 bits), each sum fp32 from 0 over d in order (one fused
             multiply-add per term, ``llvm.fma.v8f32``: the scalar paths' bits). One loop per row count (a
             switch on ``nr``; any other ``nr`` writes nothing): ``nr * nv`` vector accumulators, one vector load
-            per 8 keys and d shared by the rows, one store each at the end."""
+            per 8 keys and d shared by the rows, one store each at the end. ``pairs`` (32-bit words only:
+            ``KF_PAIRS``): ``kraw[base + p*k_sd + u]`` holds dims 2p (low half) and 2p + 1 (high half) of key
+            u; one load per 8 keys and pair, the two dims' terms added in order."""
 
             @intrinsic
-            def dot_n(typingctx, qb, qo, nr, kraw, base, k_sd, D, out, o, ostr):  # type: ignore[no-untyped-def]
+            def dot_n(typingctx, qb, qo, nr, kraw, base, k_sd, D, out, o, ostr, pairs):  # type: ignore[no-untyped-def]
                 if not (isinstance(kraw, types.Array) and kraw.dtype in (types.uint32, types.uint16)
                         and isinstance(qb, types.Array) and qb.dtype == types.float32
-                        and isinstance(out, types.Array) and out.dtype == types.float32):
+                        and isinstance(out, types.Array) and out.dtype == types.float32
+                        and isinstance(pairs, types.Boolean)):
                     return None
 
                 def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
@@ -743,59 +778,84 @@ def _load() -> Any:
                     vfma = builder.module.globals.get("llvm.fma.v8f32") or ir.Function(
                         builder.module, ir.FunctionType(vf, [vf, vf, vf]), name="llvm.fma.v8f32")
                     exit_ = builder.append_basic_block("dot.exit")
-                    switch = builder.switch(nr_, exit_)
-                    for nrows in range(1, DOT_ROWS + 1):
-                        pre = builder.append_basic_block(f"dot.r{nrows}")
-                        switch.add_case(ir.Constant(i64, nrows), pre)
-                        builder.position_at_end(pre)
-                        loop = builder.append_basic_block(f"dot.r{nrows}.loop")
-                        done = builder.append_basic_block(f"dot.r{nrows}.done")
-                        builder.cbranch(builder.icmp_signed(">", D_, ir.Constant(i64, 0)), loop, done)
-                        builder.position_at_end(loop)
-                        d = builder.phi(i64)
-                        accs = [builder.phi(vf) for _ in range(nrows * nv)]
-                        row = builder.add(base_, builder.mul(d, ksd_))
-                        kvs = []
-                        for v in range(nv):
-                            p = builder.gep(k_a.data, [builder.add(row, ir.Constant(i64, 8 * v))])
-                            kv = builder.load(builder.bitcast(p, ir.VectorType(elt, 8).as_pointer()),
-                                              align=elt.width // 8)
-                            if wide:
-                                kv = builder.shl(builder.zext(kv, v32), ir.Constant(v32, [16] * 8))
-                            kvs.append(builder.bitcast(kv, vf))
-                        nxt = []
-                        for r in range(nrows):
-                            qi = builder.add(builder.add(qo_, builder.mul(D_, ir.Constant(i64, r))), d)
-                            qd = builder.load(builder.gep(q_a.data, [qi]))
-                            qv = builder.shuffle_vector(
-                                builder.insert_element(ir.Constant(vf, ir.Undefined), qd,
-                                                       ir.Constant(ir.IntType(32), 0)),
-                                ir.Constant(vf, ir.Undefined), ir.Constant(v32, [0] * 8))
+
+                    def rows_loop(paired: bool) -> None:
+                        """The switch on ``nr`` and its loops, from the current block to ``exit_``."""
+                        tag = "p" if paired else "d"
+                        n_d = builder.ashr(D_, ir.Constant(i64, 1)) if paired else D_  # loop trips
+                        switch = builder.switch(nr_, exit_)
+                        for nrows in range(1, DOT_ROWS + 1):
+                            pre = builder.append_basic_block(f"dot.{tag}{nrows}")
+                            switch.add_case(ir.Constant(i64, nrows), pre)
+                            builder.position_at_end(pre)
+                            loop = builder.append_basic_block(f"dot.{tag}{nrows}.loop")
+                            done = builder.append_basic_block(f"dot.{tag}{nrows}.done")
+                            builder.cbranch(builder.icmp_signed(">", n_d, ir.Constant(i64, 0)), loop, done)
+                            builder.position_at_end(loop)
+                            d = builder.phi(i64)
+                            accs = [builder.phi(vf) for _ in range(nrows * nv)]
+                            row = builder.add(base_, builder.mul(d, ksd_))
+                            kvs = []  # per dim of this trip (one, or the pair's two), the nv key vectors
                             for v in range(nv):
-                                nxt.append(builder.call(vfma, [qv, kvs[v], accs[r * nv + v]]))
-                        d1 = builder.add(d, ir.Constant(i64, 1))
-                        d.add_incoming(ir.Constant(i64, 0), pre)
-                        d.add_incoming(d1, loop)
-                        for acc, n in zip(accs, nxt, strict=True):
-                            acc.add_incoming(zero, pre)
-                            acc.add_incoming(n, loop)
-                        builder.cbranch(builder.icmp_signed("<", d1, D_), loop, done)
-                        builder.position_at_end(done)
-                        res = [builder.phi(vf) for _ in range(nrows * nv)]
-                        for rr, n in zip(res, nxt, strict=True):
-                            rr.add_incoming(zero, pre)
-                            rr.add_incoming(n, loop)
-                        for r in range(nrows):
-                            for v in range(nv):
-                                off = builder.add(builder.add(o_, builder.mul(os_, ir.Constant(i64, r))),
-                                                  ir.Constant(i64, 8 * v))
-                                dst = builder.gep(o_a.data, [off])
-                                builder.store(res[r * nv + v], builder.bitcast(dst, vf.as_pointer()), align=4)
-                        builder.branch(exit_)
+                                p = builder.gep(k_a.data, [builder.add(row, ir.Constant(i64, 8 * v))])
+                                kv = builder.load(builder.bitcast(p, ir.VectorType(elt, 8).as_pointer()),
+                                                  align=elt.width // 8)
+                                if wide:
+                                    kv = builder.shl(builder.zext(kv, v32), ir.Constant(v32, [16] * 8))
+                                if paired:
+                                    kvs.append((builder.bitcast(builder.shl(kv, ir.Constant(v32, [16] * 8)), vf),
+                                                builder.bitcast(builder.and_(kv, ir.Constant(v32, [-65536] * 8)),
+                                                                vf)))
+                                else:
+                                    kvs.append((builder.bitcast(kv, vf),))
+                            nxt = list(accs)
+                            for r in range(nrows):
+                                for k in range(2 if paired else 1):
+                                    dd = builder.add(builder.shl(d, ir.Constant(i64, 1)), ir.Constant(i64, k)) \
+                                        if paired else d
+                                    qi = builder.add(builder.add(qo_, builder.mul(D_, ir.Constant(i64, r))), dd)
+                                    qd = builder.load(builder.gep(q_a.data, [qi]))
+                                    qv = builder.shuffle_vector(
+                                        builder.insert_element(ir.Constant(vf, ir.Undefined), qd,
+                                                               ir.Constant(ir.IntType(32), 0)),
+                                        ir.Constant(vf, ir.Undefined), ir.Constant(v32, [0] * 8))
+                                    for v in range(nv):
+                                        nxt[r * nv + v] = builder.call(vfma, [qv, kvs[v][k], nxt[r * nv + v]])
+                            d1 = builder.add(d, ir.Constant(i64, 1))
+                            d.add_incoming(ir.Constant(i64, 0), pre)
+                            d.add_incoming(d1, loop)
+                            for acc, n in zip(accs, nxt, strict=True):
+                                acc.add_incoming(zero, pre)
+                                acc.add_incoming(n, loop)
+                            builder.cbranch(builder.icmp_signed("<", d1, n_d), loop, done)
+                            builder.position_at_end(done)
+                            res = [builder.phi(vf) for _ in range(nrows * nv)]
+                            for rr, n in zip(res, nxt, strict=True):
+                                rr.add_incoming(zero, pre)
+                                rr.add_incoming(n, loop)
+                            for r in range(nrows):
+                                for v in range(nv):
+                                    off = builder.add(builder.add(o_, builder.mul(os_, ir.Constant(i64, r))),
+                                                      ir.Constant(i64, 8 * v))
+                                    dst = builder.gep(o_a.data, [off])
+                                    builder.store(res[r * nv + v], builder.bitcast(dst, vf.as_pointer()), align=4)
+                            builder.branch(exit_)
+
+                    if wide:  # 16-bit elements hold one dim each: no pairs
+                        rows_loop(False)
+                    else:
+                        b_pairs = builder.append_basic_block("dot.pairs")
+                        b_dims = builder.append_basic_block("dot.dims")
+                        builder.cbranch(context.cast(builder, args[10], signature.args[10], types.boolean),
+                                        b_pairs, b_dims)
+                        builder.position_at_end(b_pairs)
+                        rows_loop(True)
+                        builder.position_at_end(b_dims)
+                        rows_loop(False)
                     builder.position_at_end(exit_)
                     return context.get_dummy_value()
 
-                return types.void(qb, qo, nr, kraw, base, k_sd, D, out, o, ostr), codegen
+                return types.void(qb, qo, nr, kraw, base, k_sd, D, out, o, ostr, pairs), codegen
 
             return dot_n
 
@@ -808,6 +868,7 @@ def _load() -> Any:
         g["_dot32"] = dot(4)
         opts = {"cache": True, "nogil": True, "fastmath": False}
         g["_fexp"] = numba.njit(inline="always", **opts)(_py_fexp)
+        g["_kbits"] = numba.njit(inline="always", **opts)(_py_kbits)
         g["_gather"] = numba.njit(**opts)(_py_gather)
         g["_scores"] = numba.njit(**opts)(_py_scores)
         g["_scores_direct"] = numba.njit(**opts)(_py_scores_direct)
@@ -860,15 +921,68 @@ class PreparedLayer:
     the statistic stores. A caller that runs the kernel every step keeps one per layer while those tensors
     stay the same (``StatsCollector``: ~60 us of Python per call saved in the serving engine)."""
 
-    __slots__ = ("D", "Hkv", "bs", "do", "kp_rs", "kpos", "kraw", "kstrides", "outs", "rs", "shift")
+    __slots__ = ("D", "Hkv", "bs", "do", "kfmt", "kp_rs", "kpos", "kraw", "kseg", "kstrides", "outs", "rs")
 
-    def __init__(self, kraw: np.ndarray, shift: int, kstrides: tuple[int, int, int, int], bs: int, Hkv: int, D: int,
-                 kpos: np.ndarray, kp_rs: int, outs: tuple[np.ndarray, ...], do: tuple[bool, ...], rs: int) -> None:
-        self.kraw, self.shift, self.kstrides, self.bs, self.Hkv, self.D = kraw, shift, kstrides, bs, Hkv, D
+    def __init__(self, kraw: np.ndarray, kfmt: int, kstrides: tuple[int, int, int, int], kseg: tuple[int, int],
+                 bs: int, Hkv: int, D: int, kpos: np.ndarray, kp_rs: int, outs: tuple[np.ndarray, ...],
+                 do: tuple[bool, ...], rs: int) -> None:
+        self.kraw, self.kfmt, self.kstrides, self.kseg, self.bs, self.Hkv, self.D = kraw, kfmt, kstrides, kseg, bs, Hkv, D
         self.kpos, self.kp_rs, self.outs, self.do, self.rs = kpos, kp_rs, outs, do, rs
 
 
-def prepare_layer(key_cache: torch.Tensor, key_positions: torch.Tensor, stats: dict[str, torch.Tensor]) -> PreparedLayer:
+@dataclass(frozen=True)
+class PairedKeys:
+    """A bf16 key cache stored as pairs of dims in 32-bit words, which no strided bf16 view can address (vLLM's
+    CPU ``amx`` layout, ``vtoken_runtime.vllm_plugin.cpu_layout.amx_paired_keys``). A block's ``bs`` slots are
+    stored in segments of ``segment`` slots, ``segment_stride`` words apart; inside a segment, ``strides`` (in
+    words: block, slot, head, pair) address the words::
+
+        words[o + n * s_nb + (t // segment) * segment_stride + (t % segment) * s_t + h * s_h + p * s_p]
+            = bits(K[n, t, h, 2p]) | bits(K[n, t, h, 2p + 1]) << 16          (o = words.storage_offset())
+
+    The kernel reads it in place (``KF_PAIRS``) with the bits and the results of the plain layouts."""
+
+    words: torch.Tensor  # int32, its first element is K word 0 of block 0, head 0
+    shape: tuple[int, int, int, int]  # (NB, bs, H_kv, D) of the keys
+    strides: tuple[int, int, int, int]
+    segment: int
+    segment_stride: int = 0
+
+    def __post_init__(self) -> None:
+        NB, bs, H, D = self.shape
+        if self.words.dtype != torch.int32 or D % 2 or self.segment < 1 or bs % self.segment:
+            raise ValueError(f"PairedKeys: words must be int32 ({self.words.dtype}), D even ({D}) and the segment "
+                             f"({self.segment}) must divide the block size ({bs})")
+        if self.words.storage_offset() + self.span() > self.words.untyped_storage().nbytes() // 4:
+            raise ValueError("PairedKeys: the strides address words past the end of the storage")
+
+    @property
+    def device(self) -> torch.device:
+        return self.words.device
+
+    def span(self) -> int:
+        """Words from the first one to the last one addressed, inclusive."""
+        NB, bs, H, D = self.shape
+        dims = (NB, self.segment, H, D // 2)
+        return 1 + sum((n - 1) * st for n, st in zip(dims, self.strides, strict=True)) \
+            + (bs // self.segment - 1) * self.segment_stride
+
+    def segments(self) -> list[torch.Tensor]:
+        """``[NB, segment, H_kv, D // 2]`` int32 views of the words, one per segment of the blocks."""
+        NB, bs, H, D = self.shape
+        o = self.words.storage_offset()
+        return [torch.as_strided(self.words, (NB, self.segment, H, D // 2), self.strides, o + i * self.segment_stride)
+                for i in range(bs // self.segment)]
+
+    def unpack(self) -> torch.Tensor:
+        """``[NB, bs, H_kv, D]`` bf16 copy of the keys (for references and tests)."""
+        w = torch.cat(self.segments(), dim=1)
+        halves = torch.stack([(w & 0xFFFF).to(torch.int16), (w >> 16).to(torch.int16)], dim=-1)
+        return halves.reshape(*self.shape).view(torch.bfloat16)
+
+
+def prepare_layer(key_cache: torch.Tensor | PairedKeys, key_positions: torch.Tensor,
+                  stats: dict[str, torch.Tensor]) -> PreparedLayer:
     """Validate one layer's tensors (the arguments of :func:`update_attn_stats_cpu`) and view them as numpy
     arrays over the same memory. ``stats`` must not be empty."""
     unknown = set(stats) - set(STAT_NAMES)
@@ -877,10 +991,16 @@ def prepare_layer(key_cache: torch.Tensor, key_positions: torch.Tensor, stats: d
     NB, bs, Hkv, D = key_cache.shape
     if key_cache.device.type != "cpu":
         raise ValueError("update_attn_stats_cpu takes CPU tensors (the Triton kernel runs on GPUs)")
-    if key_cache.dtype == torch.float32:
-        kraw, shift = _flat(key_cache.detach(), torch.int32).view(np.uint32), 0
+    kraw: np.ndarray
+    kseg = (bs, 0)
+    if isinstance(key_cache, PairedKeys):  # strides in words, one per pair of dims along the last axis
+        w = key_cache.words.detach()
+        kraw = torch.as_strided(w, (key_cache.span(),), (1,), w.storage_offset()).numpy().view(np.uint32)
+        kfmt, kstrides, kseg = KF_PAIRS, key_cache.strides, (key_cache.segment, key_cache.segment_stride)
+    elif key_cache.dtype == torch.float32:
+        kraw, kfmt, kstrides = _flat(key_cache.detach(), torch.int32).view(np.uint32), KF_F32, key_cache.stride()
     elif key_cache.dtype == torch.bfloat16:
-        kraw, shift = _flat(key_cache.detach(), torch.int16).view(np.uint16), 16
+        kraw, kfmt, kstrides = _flat(key_cache.detach(), torch.int16).view(np.uint16), KF_BF16, key_cache.stride()
     else:
         raise ValueError(f"key_cache dtype {key_cache.dtype} not supported (float32, bfloat16)")
     if key_positions.shape[0] not in (1, Hkv):
@@ -904,7 +1024,7 @@ def prepare_layer(key_cache: torch.Tensor, key_positions: torch.Tensor, stats: d
         # a converted copy would not see later writes: the kernel needs the store itself
         raise ValueError(f"key_positions must be int64 with unit stride along S, got {kp.dtype}, strides {kp.stride()}")
     per_head = kp.shape[0] == Hkv and Hkv > 1
-    return PreparedLayer(kraw, shift, tuple(key_cache.stride()), bs, Hkv, D, _flat(kp), kp.stride(0) if per_head else 0,
+    return PreparedLayer(kraw, kfmt, tuple(kstrides), kseg, bs, Hkv, D, _flat(kp), kp.stride(0) if per_head else 0,
                          tuple(outs), tuple(n in stats for n in STAT_NAMES), rs)
 
 
@@ -944,14 +1064,14 @@ def run_prepared(layer: PreparedLayer, step: tuple[np.ndarray, np.ndarray, np.nd
     f_sum, f_last, f_win, f_low = layer.do
     decay = np.float32(1.0 - 1.0 / int(history_window))
     thr_g = np.float32(float(low_attn_threshold) * G)  # the collector's threshold * group_size, in fp32
-    _load()(qf, layer.kraw, layer.shift, s_nb, s_bs, s_h, s_d, bt, lens, qpos, plen, layer.kpos, layer.kp_rs, layer.bs,
+    _load()(qf, layer.kraw, layer.kfmt, s_nb, s_bs, s_h, s_d, *layer.kseg, bt, lens, qpos, plen, layer.kpos, layer.kp_rs, layer.bs,
             Hkv, o_sum, o_last, o_win, o_low, layer.rs, f_sum, f_last, f_win, f_low, np.float32(scale), int(obs_window),
             decay, thr_g, BN, max(1, SCRATCH_BYTES // (D * BN * 4 + BN * 16)), SCORE_BYTES // 4)
 
 
 def update_attn_stats_cpu(
     query: torch.Tensor,
-    key_cache: torch.Tensor,
+    key_cache: torch.Tensor | PairedKeys,
     block_tables: torch.Tensor,
     cache_lens: torch.Tensor,
     query_pos: torch.Tensor,
@@ -971,7 +1091,7 @@ def update_attn_stats_cpu(
     (float32 or bfloat16, any strides: a unit stride along D takes the vectorised 8 x 8 gather, a unit stride
     along the block slot (vLLM's CPU layout stores K dim-major) contiguous per-dim copies or, with a block size
     that is a multiple of 8 and cached scores, no copy (dot products read the cache), another the scalar one;
-    same bits),
+    same bits; or :class:`PairedKeys`, bf16 pairs of dims in 32-bit words, read the same ways),
     ``block_tables [B, max_blocks]``, ``cache_lens [B]``, ``query_pos [B, Q]`` (-1 = padding),
     ``key_positions [H_kv or 1, S]`` (-1 = dead), ``prompt_lens [B]`` (default: the end of this step).
     ``block_n`` = key tile width (default 128 for D <= 64, else 64); ``num_warps`` is ignored (GPU only)."""

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from vtoken_runtime.copy_engine import CopyEngine
+from vtoken_runtime.stats.cpu_kernel import PairedKeys
 
 
 def probe_cpu_kv_layout(isa: str, dtype: torch.dtype, block_size: int, head_size: int
@@ -105,11 +106,80 @@ def is_affine_layout(kmap: np.ndarray, vmap: np.ndarray) -> bool:
     V can be viewed as strided ``[NB, bs, H, D]`` tensors. True for the ``vec`` ISA (fp32, bf16); false for
     ``amx`` (bf16 on CPUs with AMX tiles), which interleaves pairs::
 
-        amx   K[t, d] at (d // 2) * 2 * bs + 2 * t + d % 2              (pairs of dims, token-major inside)
-              V[t, d] at bs * D + (t // 2) * 2 * D + 2 * d + t % 2     (pairs of tokens, dim-major inside)
+        amx   K[t, d] at (t // 16) * 16 * D + (d // 2) * 32 + 2 * (t % 16) + d % 2
+                      (segments of 16 tokens; pairs of dims, token-major inside: amx_paired_keys)
+              V[t, d] at bs * D + (d // 16) * 16 * bs + (t // 2) * 32 + 2 * (d % 16) + t % 2
+                      (segments of 16 dims; pairs of tokens, dim-major inside)
         vec   K[t, d] at d * bs + t          V[t, d] at bs * D + t * D + d
+
+    (measured for bs = 32, 64, 128 and D = 32, 64, 128; the amx kernels need bs % 32 == 0)
     """
     return _affine(kmap) is not None and _affine(vmap) is not None
+
+
+class MappedKV:
+    """K or V of one layer of vLLM's CPU cache ``[NB, H, bs, 2D]`` read through its probed element map (for a
+    layout no strided view expresses: ``amx``): the reads :meth:`CacheQueries.gather_kv_vectors` makes, as
+    indexing ``x[blk, off]`` -> ``[..., H, D]`` and ``x[blk, off, h]`` -> ``[..., D]`` (index tensors broadcast).
+    Read-only: nothing writes vLLM's cache through it (vLLM writes new tokens, the copy engine moves them)."""
+
+    def __init__(self, cache: torch.Tensor, emap: np.ndarray) -> None:
+        if not cache.is_contiguous():
+            raise ValueError("MappedKV: the layer cache must be contiguous")
+        self.flat = cache.reshape(-1)
+        self.dtype = cache.dtype
+        self.H = int(cache.shape[1])
+        bs, D = emap.shape
+        self.R = 2 * bs * D  # elements per (block, head) region
+        self.emap = torch.as_tensor(emap, dtype=torch.int64, device=cache.device)  # [bs, D]
+
+    def __getitem__(self, idx: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        if len(idx) == 2:
+            blk, off = idx
+            h = torch.arange(self.H, device=blk.device)
+            region = (blk[..., None] * self.H + h) * self.R  # [..., H]
+            return self.flat[region[..., None] + self.emap[off][..., None, :]]
+        blk, off, h = idx
+        return self.flat[((blk * self.H + h) * self.R)[..., None] + self.emap[off]]
+
+
+def vllm_cpu_mapped(kv_caches: Sequence[torch.Tensor], kmap: np.ndarray, vmap: np.ndarray
+                    ) -> list[tuple[MappedKV, MappedKV]]:
+    """Per layer, (K, V) :class:`MappedKV` readers of vLLM's CPU caches for any probed layout."""
+    return [(MappedKV(t, kmap), MappedKV(t, vmap)) for t in kv_caches]
+
+
+def amx_paired_keys(kv_caches: Sequence[torch.Tensor], kmap: np.ndarray) -> list[PairedKeys] | None:
+    """The keys of vLLM's CPU caches ``[NB, H, bs, 2D]`` in the ``amx`` layout as :class:`PairedKeys` (one per
+    layer; the numba statistics kernel reads them in place), or None when the probed ``kmap`` is not that
+    layout: 2-byte elements in segments of ``T`` tokens (the AMX tile's 16 rows; ``T`` divides ``bs``), pairs of
+    dims per segment, ``K[t, d]`` at ``o + (t // T) * T * D + (d // 2) * 2 * T + 2 * (t % T) + d % 2``, ``o``
+    even::
+
+        one (block, head) region in 32-bit words (R = bs * D; K's bs * D / 2 words, then V's):
+        | segment 0: T * D / 2 words                      | segment 1 ...
+        | word p * T + t = K[t, 2p] (low) | K[t, 2p + 1] (high)   p < D / 2, t < T
+        -> strides (H * R, 1, R, T), segment T, segment stride T * D / 2
+    """
+    bs, D = kmap.shape
+    o = int(kmap[0, 0])
+    runs = np.nonzero(kmap[:, 0] != o + 2 * np.arange(bs))[0]
+    T = int(runs[0]) if runs.size else bs
+    t = np.arange(bs)[:, None]
+    d = np.arange(D)[None, :]
+    want = o + (t // T) * T * D + (d // 2) * 2 * T + 2 * (t % T) + d % 2
+    if D % 2 or o % 2 or bs % T or not bool((kmap == want).all()):
+        return None
+    out = []
+    for c in kv_caches:
+        if c.element_size() != 2 or not c.is_contiguous() or c.storage_offset() % 2:
+            return None
+        H = c.shape[1]
+        w = c.view(torch.int32)  # [NB, H, bs, D] words: 2D 16-bit elements -> D words per row
+        R = bs * D
+        first = torch.as_strided(w, (1,), (1,), w.storage_offset() + o // 2)
+        out.append(PairedKeys(first, (c.shape[0], bs, H, D), (H * R, 1, R, T), T, T * D // 2))
+    return out
 
 
 def vllm_cpu_views(kv_caches: Sequence[torch.Tensor], kmap: np.ndarray, vmap: np.ndarray

@@ -44,6 +44,7 @@ import torch
 from vtoken_runtime.block_pool import BlockPool
 from vtoken_runtime.eviction import EvictionDriver
 from vtoken_runtime.stats import StatsCollector
+from vtoken_runtime.stats.collector import resolve_backend
 from vtoken_runtime.stats.queries import FUTURE_STATS, QueryWindows
 from vtoken_runtime.stats.rope import rotary_tables
 from vtoken_runtime.token_table import cdiv
@@ -98,6 +99,7 @@ class VTokenRunnerMixin:
         self._vt_pool: ExternalPool | None = None
         self._vt_driver: EvictionDriver | None = None
         self._vt_collector: StatsCollector | None = None
+        self._vt_stats_keys: list[Any] | None = None  # what the statistics kernel reads when no view exists (amx)
         self._vt_queries: QueryWindows | None = None
         self._vt_step: StepContext | None = None
         self._vt_opts: dict[str, RequestOptions] = {}
@@ -161,7 +163,7 @@ class VTokenRunnerMixin:
         self._vt_queries = _query_store(pol, self.model_config, len(names), Hq, H, d2 // 2, kv[0].device)
         self._vt_driver = EvictionDriver(cache, collective=collective, queries=self._vt_queries)
         if stat_names:
-            self._vt_collector = StatsCollector(cache, stat_names, pol.spec.stats, Hq // H)
+            self._vt_collector = StatsCollector(cache, stat_names, pol.spec.stats, Hq // H, keys=self._vt_stats_keys)
         for i, n in enumerate(names):
             layer = layers[n]
             if not isinstance(layer.impl, VTokenAttentionImpl):
@@ -173,29 +175,46 @@ class VTokenRunnerMixin:
     def _vt_kv_access(self, kv: list[torch.Tensor], layer: Any, spec: Any) -> dict[str, Any]:
         """How the cache reaches vLLM's K/V tensors (``VTokenCache`` keyword arguments). CPU: the layout
         probed with the real op (:mod:`.cpu_layout`); the GPU runner overrides this (:mod:`.gpu_worker`)."""
-        from .cpu_layout import VllmCpuCopyEngine, is_affine_layout, probe_cpu_kv_layout, vllm_cpu_views
+        from .cpu_layout import (
+            VllmCpuCopyEngine,
+            amx_paired_keys,
+            is_affine_layout,
+            probe_cpu_kv_layout,
+            vllm_cpu_mapped,
+            vllm_cpu_views,
+        )
 
         _, _, bs, d2 = kv[0].shape
         copy_path = os.environ.get("VTOKEN_CPU_COPY")  # default "auto": the numba kernel when it imports
         isa = getattr(layer, "isa", None) or "vec"
         kmap, vmap = probe_cpu_kv_layout(isa, kv[0].dtype, bs, d2 // 2)
         affine = is_affine_layout(kmap, vmap)
-        if not affine and reads_kv_cache(self._vt_policy):
-            # bf16 on an AMX CPU: vLLM's amx attention interleaves pairs, which the statistics kernels and the
-            # key / value reads cannot address per token. This engine's attention switches to the vec kernels
-            # (affine; the model's matmuls still run on AMX) before any token is cached
+        pol = self._vt_policy
+        if not affine and reads_attention(pol) and resolve_backend(None, kv[0].device) == "numba":
+            # bf16 on an AMX CPU: the numba statistics kernel reads vLLM's amx keys in place (pairs of dims per
+            # 32-bit word), the attention keeps its amx kernels
+            self._vt_stats_keys = amx_paired_keys(kv, kmap)
+            if self._vt_stats_keys is not None and self._vt_rank == 0:
+                log.info("vtoken: the statistics kernel reads vLLM's %r KV layout in place (pairs of dims per "
+                         "32-bit word); attention keeps the %r kernels", isa, isa)
+        if not affine and reads_attention(pol) and self._vt_stats_keys is None:
+            # the torch statistics backend (or a layout the kernel cannot read) needs strided views: this
+            # engine's attention switches to the vec kernels (affine; the model's matmuls still run on AMX)
+            # before any token is cached
             self._vt_set_attn_isa("vec")
             if self._vt_rank == 0:
-                log.warning("vtoken: policy %r reads cached keys / attention, which vLLM's %r KV layout (%s) "
-                            "does not allow per token: attention uses the 'vec' kernels on this engine",
-                            self._vt_policy.name, isa, kv[0].dtype)
+                log.warning("vtoken: policy %r reads attention statistics, which the %s statistics backend cannot "
+                            "read from vLLM's %r KV layout (%s): attention uses the 'vec' kernels on this engine",
+                            pol.name, resolve_backend(None, kv[0].device), isa, kv[0].dtype)
             isa = "vec"
             kmap, vmap = probe_cpu_kv_layout(isa, kv[0].dtype, bs, d2 // 2)
             affine = is_affine_layout(kmap, vmap)
             if not affine:
-                raise ValueError(f"vtoken: policy {self._vt_policy.name!r} reads the KV cache, whose CPU layout "
-                                 f"({kv[0].dtype}, isa 'vec') cannot be read per token; use --dtype float32")
-        views = vllm_cpu_views(kv, kmap, vmap) if affine else [None] * len(kv)  # None: nothing reads it
+                raise ValueError(f"vtoken: policy {pol.name!r} reads attention statistics from the KV cache, whose "
+                                 f"CPU layout ({kv[0].dtype}, isa 'vec') cannot be read per token; use --dtype float32")
+        # keys / values a policy reads (s.key, s.value) go through views, or through the probed element maps
+        # where the layout has no views (amx)
+        views = vllm_cpu_views(kv, kmap, vmap) if affine else vllm_cpu_mapped(kv, kmap, vmap)
         return {"kv_layout": "vllm_cpu", "copy_path": copy_path, "kv_views": views,
                 "copy_engine": partial(VllmCpuCopyEngine, kmap=kmap, vmap=vmap)}
 
@@ -388,10 +407,11 @@ class VTokenRunnerMixin:
         return report
 
 
-def reads_kv_cache(policy: Any) -> bool:
-    """Whether ``policy`` reads what the KV cache holds: attention statistics (computed from the cached keys)
-    or key / value vectors. Norms are taken from the fresh K / V, positions from the token table."""
-    return policy is not None and bool(set(policy.reads) & (set(ATTENTION_STATS) | set(KVCACHE_STATS)))
+def reads_attention(policy: Any) -> bool:
+    """Whether ``policy`` reads attention statistics (computed from the cached keys by the statistics kernels).
+    Norms are taken from the fresh K / V, positions from the token table, keys / values through
+    ``CacheQueries.gather_kv_vectors``."""
+    return policy is not None and bool(set(policy.reads) & set(ATTENTION_STATS))
 
 
 def check_vector_reads(policy: Any, kv_dtype: torch.dtype) -> None:

@@ -243,6 +243,51 @@ def test_a_layout_without_views_moves_but_refuses_reads() -> None:
     assert c.gather_kv_vectors(["a"], ()) == {}
 
 
+def test_element_map_readers_serve_vector_reads_after_moves() -> None:
+    """``kv_views`` given as element-map readers (``vllm_plugin.cpu_layout.MappedKV``, vLLM's amx layout: no
+    strided view): K/V written cell by cell through the maps (as vLLM's reshape_and_cache does), then evictions
+    and compaction (moves through the same maps): ``gather_kv_vectors`` returns, for every live token, exactly
+    the K and V written for its position, at both granularities; strided access still raises."""
+    from functools import partial
+
+    from vtoken_runtime.vllm_plugin.cpu_layout import VllmCpuCopyEngine, vllm_cpu_mapped
+
+    L, H, D, bs = 2, 2, 32, 32
+    t, d = np.arange(bs)[:, None], np.arange(D)[None, :]
+    kmap = (t // 16) * 16 * D + (d // 2) * 32 + 2 * (t % 16) + d % 2  # amx (probed for bs 32, D 32)
+    vmap = bs * D + (d // 16) * 16 * bs + (t // 2) * 32 + 2 * (d % 16) + t % 2
+    assert np.array_equal(np.sort(np.concatenate([kmap.ravel(), vmap.ravel()])), np.arange(2 * bs * D))
+    for granularity in ("request", "head"):
+        kv = [torch.zeros(6, H, bs, 2 * D) for _ in range(L)]
+        c = VTokenCache(L, H, D, bs, num_blocks=6, granularity=granularity, kv_layout="vllm_cpu", kv_caches=kv,
+                        kv_views=vllm_cpu_mapped(kv, kmap, vmap), async_copy=False, debug=True,
+                        copy_engine=partial(VllmCpuCopyEngine, kmap=kmap, vmap=vmap))
+        written = {(layer, p): torch.randn(2, H, D) for layer in range(L) for p in range(70)}  # K, V per position
+        c.add_request("a")
+        slots = c.reserve("a", 70)
+        assert slots is not None
+        for layer in range(L):
+            flat = kv[layer].view(-1)
+            for p, s in enumerate(slots.tolist()):
+                for h in range(H):
+                    region = ((s // bs) * H + h) * 2 * bs * D
+                    flat[region + torch.as_tensor(kmap[s % bs])] = written[layer, p][0, h]
+                    flat[region + torch.as_tensor(vmap[s % bs])] = written[layer, p][1, h]
+        rng = np.random.default_rng(0)
+        c.apply_keep_mask("a", np.argsort(rng.random((c.num_rows, 70)), axis=1) < 28)  # 28 kept in every row
+        assert c.reclaim().tokens_moved > 0
+        got = c.gather_kv_vectors(["a"])
+        pos, _ = c.live_slots("a")
+        for layer in range(L):
+            for h in range(H):
+                row = pos[layer * H + h] if c.num_rows > 1 else pos[0]
+                for j, p in enumerate(row.tolist()):
+                    assert torch.equal(got["key"][0, layer, h, j], written[layer, p][0, h]), (granularity, layer, h, p)
+                    assert torch.equal(got["value"][0, layer, h, j], written[layer, p][1, h]), (granularity, layer, h, p)
+        with pytest.raises(ValueError, match="cannot be read per token"):
+            c.key_cache(0)
+
+
 def test_debug_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VTOKEN_DEBUG", "1")
     assert debug_enabled() and not debug_enabled(False)

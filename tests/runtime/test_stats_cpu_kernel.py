@@ -362,6 +362,86 @@ def test_dim_major_in_place_scores_give_the_same_bits(monkeypatch: pytest.Monkey
             assert torch.equal(blocks[n], want[n]), (n, Q, block_n, G)
 
 
+def _paired(key_cache: torch.Tensor, segment: int | None) -> ck.PairedKeys:
+    """``key_cache [NB, bs, H, D]`` bf16 as :class:`PairedKeys` in a fresh buffer: with a ``segment`` T, vLLM's
+    CPU ``amx`` regions (per (block, head): K words ``(t // T) * T * D / 2 + p * T + t % T`` holding dims
+    2p | 2p + 1, then random V words); None: token-major words ``[NB, bs, H, D / 2]`` (no unit stride along the
+    slot: the scalar gather)."""
+    NB, bs, H, D = key_cache.shape
+    bits = key_cache.view(torch.int16).to(torch.int32) & 0xFFFF
+    words = bits[..., 0::2] | (bits[..., 1::2] << 16)  # [NB, bs, H, D/2]
+    P = D // 2
+    if segment is None:
+        flat = words.contiguous()
+        return ck.PairedKeys(flat, (NB, bs, H, D), (bs * H * P, H * P, P, 1), bs)
+    T = segment
+    region = torch.randint(-2**31, 2**31 - 1, (NB, H, 2, bs // T, P, T), dtype=torch.int32)  # K words, then V's
+    region[:, :, 0] = words.reshape(NB, bs // T, T, H, P).permute(0, 3, 1, 4, 2)
+    R = bs * D
+    return ck.PairedKeys(region, (NB, bs, H, D), (H * R, 1, R, T), T, T * P)
+
+
+@pytest.mark.parametrize(("bs", "segment"), [(8, 8), (12, 12), (32, 32), (32, 16), (48, 16), (16, 8)])
+def test_paired_keys_give_the_same_bits(monkeypatch: pytest.MonkeyPatch, bs: int, segment: int) -> None:
+    """bf16 keys stored as pairs of dims per 32-bit word in segments of a block (vLLM's CPU ``amx`` layout:
+    ``PairedKeys``, segments of 16 slots) give exactly the bits of the same keys in a plain layout: read in place
+    (pass 1's paired vector loads: 32 / 16 / 8 keys, a partial last block, tiles cutting segments), through tile
+    copies (no score cache; segment 12: always) and through the scalar gather (token-major words). SmolLM2's
+    heads (3 KV heads, GQA 3, D 64), decode and short steps."""
+    for Q, block_n, G in ((1, None, 3), (3, None, 3), (2, 5, 3), (2, None, 5), (1, 24, 1)):
+        query, key_cache, bt, lens, qpos, kpos, S = _case(13 + Q, 4, Q, G, 3, 64, bs, True, torch.bfloat16, False)
+        lens[0] = 4 * bs - 3  # a partial last block, ending past a vector's 8 keys
+        pk = _paired(key_cache, segment)
+        assert pk.shape == tuple(key_cache.shape)
+        assert torch.equal(pk.unpack(), key_cache) and torch.equal(_paired(key_cache, None).unpack(), key_cache)
+        base = {n: torch.rand(3, S, generator=torch.Generator().manual_seed(4)) for n in STAT_NAMES}
+        runs = {k: {n: v.clone() for n, v in base.items()} for k in ("want", "in_place", "tiles", "scalar")}
+        update_attn_stats_cpu(query, key_cache, bt, lens, qpos, kpos, runs["want"], block_n=block_n)
+        update_attn_stats_cpu(query, pk, bt, lens, qpos, kpos, runs["in_place"], block_n=block_n)
+        update_attn_stats_cpu(query, _paired(key_cache, None), bt, lens, qpos, kpos, runs["scalar"], block_n=block_n)
+        with monkeypatch.context() as mp:
+            mp.setattr(ck, "SCORE_BYTES", 0)
+            update_attn_stats_cpu(query, pk, bt, lens, qpos, kpos, runs["tiles"], block_n=block_n)
+        for k in ("in_place", "tiles", "scalar"):
+            for n in STAT_NAMES:
+                assert torch.equal(runs[k][n], runs["want"][n]), (k, n, Q, block_n, G)
+
+
+def test_collector_reads_paired_keys() -> None:
+    """``StatsCollector(keys=...)`` (the vLLM amx path) gives the statistics of the plain cache's keys;
+    keys are refused with another backend or the wrong number of layers."""
+    cache = VTokenCache(2, 2, 16, 8, num_blocks=12, kv_layout="vllm_cpu", dtype=torch.bfloat16,
+                        stat_names=STAT_NAMES, async_copy=False)
+    cache.add_request("a")
+    cache.reserve("a", 30)
+    for li in range(2):
+        cache.write_kv(li, "a", torch.randn(30, 2, 16), torch.randn(30, 2, 16))
+    keys = [_paired(cache.key_cache(li).clone(), 8) for li in range(2)]
+    plain = StatsCollector(cache, STAT_NAMES, StatsConfig(), 2, backend="numba")
+    paired = StatsCollector(cache, STAT_NAMES, StatsConfig(), 2, backend="numba", keys=keys)
+    query = torch.randn(1, 30, 4, 16).to(torch.bfloat16)
+    qpos, plen = torch.arange(30)[None], torch.tensor([30])
+    got = []
+    for col in (plain, paired):
+        for n in STAT_NAMES:
+            cache.stats_tensor(n).zero_()
+        col.attention(1, query, cache.attention_metadata(["a"]), qpos, plen)
+        got.append({n: cache.stats_tensor(n)[1].clone() for n in STAT_NAMES})
+    assert got[0]["attn_sum"].sum() > 0
+    for n in STAT_NAMES:
+        assert torch.equal(got[1][n], got[0][n]), n
+    with pytest.raises(ValueError, match="numba backend only"):
+        StatsCollector(cache, STAT_NAMES, StatsConfig(), 2, backend="torch", keys=keys)
+    with pytest.raises(ValueError, match="numba backend only"):
+        StatsCollector(cache, STAT_NAMES, StatsConfig(), 2, backend="numba", keys=keys[:1])
+    with pytest.raises(ValueError, match="must be int32"):
+        ck.PairedKeys(torch.zeros(64), (2, 8, 2, 8), (64, 1, 32, 8), 8)
+    with pytest.raises(ValueError, match="divide the block size"):
+        ck.PairedKeys(torch.zeros(64, dtype=torch.int32), (1, 8, 1, 8), (32, 1, 32, 8), 3)
+    with pytest.raises(ValueError, match="past the end"):
+        ck.PairedKeys(torch.zeros(64, dtype=torch.int32), (2, 8, 2, 8), (64, 1, 32, 8), 8)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_score_cache_is_bit_identical(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
     """The passes reading cached scores give the bits of recomputing them (no cache, a cache too small for

@@ -234,8 +234,9 @@ def test_bad_configuration_is_refused_at_once(tmp_path: Path, args: list[str], w
 
 def test_default_dtype_serves_a_long_prompt_with_eviction(tmp_path: Path) -> None:
     """The server as a user starts it: no --dtype (vLLM's auto: SmolLM2's bf16). On a CPU with AMX, H2O (reads
-    attention) switches the engine's attention to the vec kernels, saying so once; a long prompt is served with
-    tokens evicted, then a malformed request gets a 400 and the next request is served."""
+    attention statistics only) keeps vLLM's amx attention, the statistics reading its layout in place (said once,
+    no switch to the vec kernels); a long prompt is served with tokens evicted, then a malformed request gets a
+    400 and the next request is served."""
     import torch
 
     with _running_server(tmp_path / "server.log", ["--policy", "h2o", "--eviction-ratio", "0.5",
@@ -243,7 +244,8 @@ def test_default_dtype_serves_a_long_prompt_with_eviction(tmp_path: Path) -> Non
         text = srv.log.read_text()
         assert "dtype=torch.bfloat16" in text
         if torch.cpu._is_amx_tile_supported():
-            assert text.count("attention uses the 'vec' kernels") == 1
+            assert text.count("reads vLLM's 'amx' KV layout in place") == 1
+            assert "attention uses the 'vec' kernels" not in text
         c = srv.client()
         r = c.completions.create(model=srv.model, prompt=_prompt(900), max_tokens=24, temperature=0)
         assert r.usage.prompt_tokens > 900 and r.usage.completion_tokens == 24 and r.choices[0].text
