@@ -26,6 +26,13 @@ layout, fp32; decode ``Q = 1`` and a prefill chunk of ``chunk`` queries, the chu
 
 for ``attn_sum`` (H2O) and for all four attention statistics. Rounds are interleaved (A B C D A B C D
 ...) so machine noise hits every variant alike; medians with min/max, ratios of medians.
+
+    python benchmarks/kernels.py --section layouts [--rounds 7 --batch 8 --context 1536 --chunk 64]
+
+The numba statistics kernel (``attn_sum``) on the same bf16 keys in vLLM's two CPU layouts, interleaved:
+``vec`` (K dim-major per block: a strided view) and ``amx`` (pairs of dims per 32-bit word in 16-token
+segments, read in place as ``PairedKeys`` built by ``cpu_layout.amx_paired_keys``); decode and a prefill
+chunk. Both give the same bits (tests/runtime/test_stats_cpu_kernel.py).
 """
 
 from __future__ import annotations
@@ -209,6 +216,47 @@ def run_stats_step(batch: int, context: int, kv_heads: int, q_heads: int, head_s
             "rows": rows}
 
 
+def run_layouts(batch: int, context: int, kv_heads: int, q_heads: int, head_size: int, block_size: int,
+                chunk: int, rounds: int) -> dict:
+    """The numba kernel on bf16 keys in vLLM's vec and amx layouts (module doc): ms per call, interleaved."""
+    from vtoken_runtime.stats.cpu_kernel import prepare_layer, prepare_step, run_prepared
+    from vtoken_runtime.vllm_plugin.cpu_layout import amx_paired_keys
+
+    torch.manual_seed(0)
+    B, Hkv, D, bs, N = batch, kv_heads, head_size, block_size, context
+    nb = -(-N // bs)
+    NB = B * nb + 2
+    t, d = np.arange(bs)[:, None], np.arange(D)[None, :]
+    amx_kmap = (t // 16) * 16 * D + (d // 2) * 32 + 2 * (t % 16) + d % 2  # as probed (vLLM's amx, bs % 32 == 0)
+    keys = torch.randn(NB, bs, Hkv, D).to(torch.bfloat16)
+    vec_cache = torch.zeros(NB, Hkv, bs, 2 * D, dtype=torch.bfloat16)  # K[t, d] at d * bs + t, then V
+    vec_cache.view(NB, Hkv, 2, D, bs)[:, :, 0] = keys.permute(0, 2, 3, 1)
+    vec = vec_cache.view(NB, Hkv, 2, D, bs)[:, :, 0].permute(0, 3, 1, 2)
+    amx_cache = torch.zeros(NB, Hkv, bs, 2 * D, dtype=torch.bfloat16)
+    amx_cache.view(NB, Hkv, -1)[:, :, torch.as_tensor(amx_kmap).reshape(-1)] = keys.permute(0, 2, 1, 3).reshape(
+        NB, Hkv, bs * D)
+    paired = amx_paired_keys([amx_cache], amx_kmap)
+    assert paired is not None and torch.equal(paired[0].unpack(), vec)
+    bt = torch.arange(B * nb, dtype=torch.int32).reshape(B, nb)
+    lens = torch.full((B,), N, dtype=torch.int32)
+    kpos = torch.full((1, NB * bs), -1, dtype=torch.int64)
+    kpos[0, :B * nb * bs] = torch.arange(nb * bs).repeat(B)
+    kpos[0, :B * nb * bs].view(B, nb * bs)[:, N:] = -1
+    stats = {"attn_sum": torch.zeros(Hkv, NB * bs)}
+    layers = {"vec": prepare_layer(vec, kpos, stats), "amx": prepare_layer(paired[0], kpos, stats)}
+    rows = []
+    for what, Q in (("decode", 1), ("prefill chunk", chunk)):
+        q = torch.randn(B, Q, q_heads, D).to(torch.bfloat16)
+        step = prepare_step(bt, lens, torch.arange(N - Q, N).repeat(B, 1), torch.full((B,), N + 1))
+        ts = _interleaved({k: lambda lay=lay, step=step, q=q: run_prepared(lay, step, q) for k, lay in layers.items()},
+                          rounds)
+        med = {k: statistics.median(v) for k, v in ts.items()}
+        rows.append({"step": f"{what} Q={Q}", **{f"{k}_ms": {"median": med[k], "min": min(v), "max": max(v)}
+                                                 for k, v in ts.items()}, "amx_vs_vec": med["amx"] / med["vec"]})
+    return {"shape": {"batch": B, "context": N, "kv_heads": Hkv, "q_heads": q_heads, "head_size": D,
+                      "block_size": bs, "rounds": rounds}, "rows": rows}
+
+
 def _print_stats_step(res: dict) -> None:
     s = res["shape"]
     table = Table(title=f"one layer's statistics step on CPU: B={s['batch']} x {s['context']} cached tokens, "
@@ -230,8 +278,9 @@ def _print_stats_step(res: dict) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--section", choices=("all", "step", "stats"), default="all",
-                    help="step: the per-decode-step table; stats: one layer's statistics step; all: both")
+    ap.add_argument("--section", choices=("all", "step", "stats", "layouts"), default="all",
+                    help="step: the per-decode-step table; stats: one layer's statistics step; all: both; "
+                         "layouts: the numba kernel on bf16 keys in vLLM's vec and amx layouts")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--context", type=int, default=None,
                     help="cached tokens per request (default 2048 for step, 1024 for stats)")
@@ -264,6 +313,20 @@ def main() -> None:
                                    a.chunk, max(5, a.rounds))
         _print_stats_step(res_stats)
         out = {**out, "stats_step": res_stats} if out else {"stats_step": res_stats}
+    if a.section == "layouts":
+        res_l = run_layouts(a.batch, a.context or 1536, a.kv_heads, a.q_heads, a.head_size, a.block_size,
+                            a.chunk if a.chunk != 512 else 64, max(5, a.rounds))
+        s = res_l["shape"]
+        table = Table(title=f"numba attn_sum, bf16 keys: vLLM's vec vs amx layout, B={s['batch']} x {s['context']} "
+                            f"keys, H_q/H_kv={s['q_heads']}/{s['kv_heads']} D={s['head_size']} bs={s['block_size']}, "
+                            f"{s['rounds']} interleaved rounds (median \\[min-max] ms)")
+        for c in ("step", "vec", "amx (paired words)", "amx / vec"):
+            table.add_column(c)
+        for r in res_l["rows"]:
+            table.add_row(r["step"], *(f"{r[k]['median']:.3f} [{r[k]['min']:.3f}-{r[k]['max']:.3f}]"
+                                       for k in ("vec_ms", "amx_ms")), f"{r['amx_vs_vec']:.3f}")
+        Console().print(table)
+        out = {"layouts": res_l}
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
         a.json.write_text(json.dumps(out, indent=2))

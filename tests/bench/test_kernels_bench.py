@@ -1,0 +1,18 @@
+"""``benchmarks/kernels.py --section layouts`` on a tiny shape: both layouts run on the same keys (the
+benchmark checks that the paired view unpacks to them) and every timing row has its ratio."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("numba")
+
+
+def test_layouts_section_times_both_layouts() -> None:
+    from vtoken_bench.kernels import run_layouts
+
+    res = run_layouts(batch=2, context=80, kv_heads=2, q_heads=4, head_size=16, block_size=32, chunk=8, rounds=2)
+    assert [r["step"] for r in res["rows"]] == ["decode Q=1", "prefill chunk Q=8"]
+    for r in res["rows"]:
+        assert r["vec_ms"]["min"] > 0 and r["amx_ms"]["min"] > 0
+        assert r["amx_vs_vec"] == pytest.approx(r["amx_ms"]["median"] / r["vec_ms"]["median"])
