@@ -167,22 +167,30 @@ def _py_gather(kraw, kfmt, k_snb, k_sbs, k_sh, k_sd, k_seg, k_sseg, bt, b, h, j0
     (``k_sseg`` apart; ``k_seg = bs`` for a plain strided layout, 16 for vLLM's amx). Returns the tile's smallest
     valid position (2**62 if none)."""
     kmin = np.int64(1) << np.int64(62)
-    bi = j0 // bs  # block-table column and offset of key jj (no division per key)
-    off = j0 - bi * bs
+    bi = j0 // bs  # block-table column, offset of key jj, its segment's offset and its offset there (no division
+    off = j0 - bi * bs  # per key)
+    seg_off = (off // k_seg) * k_sseg
+    so = off % k_seg
     blk = np.int64(bt[b, bi])
     for jj in range(nt):
         if off == bs:
             bi += 1
             off = 0
+            seg_off = 0
+            so = 0
             blk = np.int64(bt[b, bi])
+        elif so == k_seg:
+            seg_off += k_sseg
+            so = 0
         slot = blk * bs + off
         slots[jj] = slot
         p = kpos[kp_off + slot]
         kp[jj] = p
         if p >= 0 and p < kmin:
             kmin = p
-        rowb[jj] = blk * k_snb + (off // k_seg) * k_sseg + (off % k_seg) * k_sbs + h * k_sh
+        rowb[jj] = blk * k_snb + seg_off + so * k_sbs + h * k_sh
         off += 1
+        so += 1
     for jj in range(nt, BN):
         kp[jj] = -1
         slots[jj] = 0
