@@ -32,7 +32,9 @@ prompt never holds more than its budget plus one chunk, and admission needs only
                      ratios, on the wall clock and on CPU time, with an A/A control (a second vanilla engine)
 
 TTFT = first output token seen by the step loop - scheduled arrival; TPOT = (finish - first token) /
-(output tokens - 1). Engines run in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0).
+(output tokens - 1). Engines run in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0). The closed loop of (a), (b),
+(c) and (a)'s other rows are independent parts, each building its own engines, run side by side in
+``workers`` processes (:func:`run_parts`): one core each, and every compared timing interleaved inside its part.
 """
 
 from __future__ import annotations
@@ -68,9 +70,8 @@ class ServeConfig:
     prompt_tokens: tuple[int, int] = (1024, 1536)  # inclusive range of prompt lengths
     output_tokens: tuple[int, int] = (128, 192)  # inclusive range of output lengths
     block_size: int = 32
-    # the model's and KV cache's dtype. bfloat16 on a CPU with AMX: ~2.4x the closed loop of float32, and vLLM's
-    # amx attention, whose KV layout the statistics cannot read per token: engines whose policy reads attention
-    # or the cache switch to the vec attention kernels (the vanilla and policy-none engines keep amx)
+    # the model's and KV cache's dtype. bfloat16 on a CPU with AMX: ~2.3x the closed loop of float32, every engine
+    # on vLLM's amx attention (the statistics kernel reads its KV layout in place)
     dtype: str = "float32"
     chunk_tokens: int = 128  # a request's prefill chunk (long_prefill_token_threshold): peaks at budget + chunk
     # max_num_batched_tokens (None: chunk_tokens). Larger lets several requests prefill in one step, but then
@@ -100,7 +101,7 @@ class ServeConfig:
     rounds: int = 4  # interleaved rounds of (c) (6 balances the orders of interleaved_order for 3 engines)
     throughput_rounds: int = 3  # lockstep rounds of vanilla vs vToken H2O 0.5 (closed loop)
     throughput_requests: int | None = 8  # the trace's first requests those rounds run (None: the whole trace)
-    workers: int = 2  # processes running the single-run concurrency rows side by side (1: in this process)
+    workers: int = 2  # processes running the report's parts side by side (1: one after another in this process)
     rebuild: bool = True  # build the engines of (c) afresh every round (see run_serve_benchmark)
     overhead_requests: int = 1
     seed: int = 0
@@ -925,7 +926,7 @@ def goodput_on_new_engine(cfg: ServeConfig, model_dir: str, trace: Trace, key: t
 def run_goodput_only(cfg: ServeConfig, model_dir: str, trace: Trace, gp_trace: Trace, un_trace: Trace,
                      log: Callable[[str], None], el: Callable[[], str]
                      ) -> tuple[list[dict[str, Any]], dict[str, float]]:
-    """``--only goodput``, and (b) of the full run under ``goodput_max_seqs``: vanilla's SLOs and goodput, then
+    """(b), and all of ``--only goodput``: vanilla's SLOs and goodput, then
     each goodput row's on an engine built, searched on vanilla's grid of rates and freed in turn (vanilla is
     not used after the first of them); every engine capped at ``goodput_max_seqs`` running requests. Returns
     the rows ``{mode, policy, eviction_ratio, goodput_rps, goodput_gain, goodput_search}`` (vanilla first)
@@ -947,13 +948,6 @@ def run_goodput_only(cfg: ServeConfig, model_dir: str, trace: Trace, gp_trace: T
     for row in rows:
         row["goodput_gain"] = round(row["goodput_rps"] / van_gp, 3) if van_gp else None
     return rows, slo_cfg
-
-
-def _wants_goodput(cfg: ServeConfig, mode: str, policy: str, ratio: float) -> bool:
-    if mode == "vanilla":
-        return True
-    keys = cfg.goodput_keys()
-    return keys is None or (mode, policy, round(ratio, 6)) in keys
 
 
 def _row(mode: str, policy: str, ratio: float, res: RunResult, kv_blocks: int,
@@ -987,155 +981,56 @@ def _single_row(model_dir: str, cfg: ServeConfig, trace: Trace, key: tuple[str, 
     return _row(mode, pol, r, res, cfg.kv_blocks or 0, None if s0 is None or s1 is None else s1 - s0), backend
 
 
-def _row_job(cfg: ServeConfig, model_dir: str, key: tuple[str, str, float]) -> tuple[dict[str, Any], str | None]:
-    """Worker-process entry: build the trace and one engine, run the trace once (see :func:`_single_row`)."""
-    _set_env()
-    return _single_row(model_dir, cfg, make_trace(model_dir, cfg), key)
-
-
-def run_rows_parallel(cfg: ServeConfig, model_dir: str, keys: Sequence[tuple[str, str, float]]
-                      ) -> list[tuple[dict[str, Any], str | None]]:
-    """The rows of ``keys`` from ``cfg.workers`` spawned processes, one fresh process per configuration
-    (an in-process vLLM engine cannot be freed while another lives, and a fresh process starts each run
-    alike). The counts do not depend on timing; each row's tokens/s is a single run next to another."""
-    import multiprocessing as mp
-    from concurrent.futures import ProcessPoolExecutor
-
-    with ProcessPoolExecutor(max_workers=cfg.workers, mp_context=mp.get_context("spawn"),
-                             max_tasks_per_child=1) as ex:
-        futs = [ex.submit(_row_job, cfg, model_dir, k) for k in keys]
-        return [f.result() for f in futs]
-
-
-def run_serve_benchmark(cfg: ServeConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Everything the CLI prints (the JSON report)."""
-    cfg.validate()
-    _set_env()
-    from vtoken_bench.models import smollm2_path
-
-    t_start, c_start = time.perf_counter(), time.process_time()
-    model_dir = cfg.model or str(smollm2_path())
-    trace = make_trace(model_dir, cfg)
+def run_closed_loop(cfg: ServeConfig, model_dir: str, trace: Trace, log: Callable[[str], None],
+                    el: Callable[[], str]) -> dict[str, Any]:
+    """(a)'s compared timing: vanilla and vToken H2O 0.5 (uncapped: ``max_num_seqs`` = the trace) run the trace's
+    first ``throughput_requests`` in lockstep for ``throughput_rounds`` rounds (ABBA). Returns ``{"throughput",
+    "rows", "backend"}``: when those requests are the whole trace, the first round's probes give vanilla's and
+    H2O 0.5's rows (with the lockstep medians as their tokens/s); ``rows`` is empty otherwise."""
     n = len(trace)
-    if cfg.kv_blocks is None:
-        cfg.kv_blocks = default_kv_blocks(trace, cfg.block_size, cfg.vanilla_target)
-    if cfg.max_model_len is None:
-        longest = max(len(p) + m for p, m in trace)
-        cfg.max_model_len = -(-longest // cfg.block_size) * cfg.block_size
-    gp_trace = [trace[i % n] for i in range(cfg.goodput_requests)]
-    un_trace = trace[: cfg.unloaded_requests]
-    n_oh = fitting_prefix(trace, cfg.block_size, cfg.kv_blocks, cfg.overhead_requests)
-    oh_trace = trace[:n_oh]
-    el = lambda: f"[{time.perf_counter() - t_start:.0f}s]"  # noqa: E731
-    log(f"trace: {n} requests, prompts {cfg.prompt_tokens} (mean {np.mean([len(p) for p, _ in trace]):.0f}), "
-        f"outputs {cfg.output_tokens}; KV budget {cfg.kv_blocks} blocks of {cfg.block_size}; when={cfg.when}")
-    if cfg.only == "goodput":
-        rows, slo_cfg = run_goodput_only(cfg, model_dir, trace, gp_trace, un_trace, log, el)
-        config = report_config(cfg, gp_trace)
-        config.update(**_rounded_slos(slo_cfg))
-        return {"goodput": rows, "config": config, "seconds": round(time.perf_counter() - t_start, 1),
-                "cpu_seconds": round(time.process_time() - c_start, 1)}
-    if cfg.only == "stats-cost":
-        stats_cost = run_stats_cost_only(cfg, model_dir, trace, n_oh, n, log, el)
-        log(f"H2O/none {stats_cost['ratio']}x {stats_cost['ratio_spread']} wall, {stats_cost['ratio_cpu']}x "
-            f"{stats_cost['ratio_cpu_spread']} CPU {el()}")
-        config = report_config(cfg, oh_trace)
-        config.update(stats_backend=stats_cost.pop("stats_backend"))
-        return {"stats_cost": stats_cost, "config": config, "seconds": round(time.perf_counter() - t_start, 1),
-                "cpu_seconds": round(time.process_time() - c_start, 1)}
-
-    # (a) concurrency rows. Vanilla and vToken H2O at 0.5 run ``tp_trace`` (the first
-    # ``throughput_requests``) in lockstep (one engine step each in turn, the order alternating per round)
-    # for ``throughput_rounds`` rounds: their closed-loop tokens/s are compared (does the memory eviction
-    # frees turn into throughput?), so they are measured side by side. Every configuration's counts come
-    # from one run of the whole trace (they do not depend on timing): when ``tp_trace`` is the whole trace,
-    # the lockstep's first round gives vanilla's and H2O 0.5's rows; the other rows run once each, in
-    # ``workers`` processes side by side (their tokens/s are single runs, not compared).
+    tp_trace = trace[: cfg.throughput_requests] if cfg.throughput_requests else trace
+    pair = ("vtoken", "h2o", 0.5)
     van = build_engine(model_dir, cfg, None, max_num_seqs=n)
     _warm(van, trace)
-    pair = ("vtoken", "h2o", 0.5)
-    has_pair = "vtoken" in cfg.modes and "h2o" in cfg.policies and any(math.isclose(r, 0.5) for r in cfg.ratios)
-    tp_trace = trace[: cfg.throughput_requests] if cfg.throughput_requests else trace
-    pair_llm = None
-    throughput: dict[str, Any] | None = None
-    backend = None
-    rows_by: dict[tuple[str, str, float], dict[str, Any]] = {}
-    if has_pair:
-        pair_llm = build_engine(model_dir, cfg, plugin_args(cfg, "h2o", 0.5), max_num_seqs=n)
-        _warm(pair_llm, trace)
-        runs: dict[str, list[RunResult]] = {"vanilla": [], "h2o": []}
-        s0 = stats_seconds(pair_llm)
-        for rnd, order in enumerate(pair_order("vanilla", "h2o", cfg.throughput_rounds)):
-            got = run_lockstep({k: {"vanilla": van, "h2o": pair_llm}[k] for k in order}, tp_trace)
-            for k in order:
-                runs[k].append(got[k])
-            log(f"closed loop, round {rnd + 1}: vanilla {got['vanilla'].tok_s:.1f} tok/s (running peak "
-                f"{got['vanilla'].probe.max_running}), vToken H2O 0.5 {got['h2o'].tok_s:.1f} tok/s (running peak "
-                f"{got['h2o'].probe.max_running}) {el()}")
-        s1 = stats_seconds(pair_llm)
-        backend = stats_backend(pair_llm)
-        throughput = summarize_throughput(runs["vanilla"], runs["h2o"])
-        throughput.update(rounds=cfg.throughput_rounds, requests=len(tp_trace), policy="h2o", eviction_ratio=0.5,
-                          mode="vtoken", slack=cfg.slack)
-        log(f"throughput: vToken H2O 0.5 / vanilla = {throughput['ratio']}x {throughput['ratio_spread']} {el()}")
-        if len(tp_trace) == n:
-            rows_by[("vanilla", "none", 0.0)] = _row("vanilla", "none", 0.0, runs["vanilla"][0], cfg.kv_blocks, None)
-            rows_by[pair] = _row(*pair, runs["h2o"][0], cfg.kv_blocks,
-                                 None if s0 is None or s1 is None else (s1 - s0) / cfg.throughput_rounds)
-            for key, name in ((("vanilla", "none", 0.0), "vanilla"), (pair, "vtoken")):
-                rows_by[key].update(closed_loop_tok_s=throughput[f"{name}_tok_s"],
-                                    closed_loop_tok_s_spread=throughput[f"{name}_tok_s_spread"])
-    # (b) goodput: SLOs from vanilla's unloaded requests. vLLM's in-process engines share the process's
-    # parallel groups and freeing any engine tears them down: an engine is never used after a later one
-    # was freed (vanilla and the pair run first, every other engine is built, used and freed in turn)
-    goodput_done: dict[tuple[str, str, float], dict[str, Any]]
-    if cfg.goodput_max_seqs:  # capped engines of their own, every goodput row searched here
-        gp_rows, slo_cfg = run_goodput_only(cfg, model_dir, trace, gp_trace, un_trace, log, el)
-        goodput_done = {(r["mode"], r["policy"], r["eviction_ratio"]): r["goodput_search"] for r in gp_rows}
-    else:
-        g, slo_cfg = vanilla_goodput(van, cfg, gp_trace, un_trace, log, el)
-        goodput_done = {("vanilla", "none", 0.0): g}
-    slo, start = (slo_cfg["ttft_slo_s"], slo_cfg["tpot_slo_s"]), 1.0 / slo_cfg["unloaded_ttft_s"]
-    van_gp: float | None = goodput_done[("vanilla", "none", 0.0)]["goodput_rps"]
-    if pair_llm is not None and _wants_goodput(cfg, *pair) and pair not in goodput_done:
-        goodput_done[pair] = goodput_for(pair_llm, cfg, gp_trace, un_trace, slo, start, log, "vtoken h2o 0.5",
-                                         ref=van_gp)
-        log(f"vtoken h2o 0.5: goodput {goodput_done[pair]['goodput_rps']} rps {el()}")
-
-    # (a, continued) the rows the lockstep did not measure
-    todo = [k for k in [("vanilla", "none", 0.0)] + [(m, p, r) for p in cfg.policies for r in cfg.ratios
-                                                      for m in cfg.modes] if k not in rows_by]
-    if cfg.workers > 1 and len(todo) > 1:
-        log(f"{len(todo)} configurations, {cfg.workers} worker processes side by side {el()}")
-        for key, (row, bk) in zip(todo, run_rows_parallel(cfg, model_dir, todo), strict=True):
-            rows_by[key] = row
-            backend = backend or bk
-            log(f"{key[0]} {key[1]} {key[2]}: running peak {row['max_concurrency']}, guaranteed "
-                f"{row['guaranteed_concurrency']}, preemptions {row['preemptions']}")
-    else:
-        for key in todo:
-            rows_by[key], bk = _single_row(model_dir, cfg, trace, key)
-            backend = backend or bk
-            log(f"{key[0]} {key[1]} {key[2]}: running peak {rows_by[key]['max_concurrency']}, guaranteed "
-                f"{rows_by[key]['guaranteed_concurrency']}, {rows_by[key]['closed_loop_tok_s']:.1f} tok/s closed "
-                f"loop {el()}")
-    rows = [rows_by[("vanilla", "none", 0.0)]] + [rows_by[(m, p, r)] for p in cfg.policies for r in cfg.ratios
-                                                  for m in cfg.modes]
-    for row in rows:
-        row["closed_loop_measure"] = ("lockstep median" if "closed_loop_tok_s_spread" in row
-                                      else f"single run{', worker process' if cfg.workers > 1 else ''}")
-    for row in rows:
-        key = (row["mode"], row["policy"], row["eviction_ratio"])
-        if not _wants_goodput(cfg, *key):
-            continue
-        if key not in goodput_done:
-            goodput_done[key] = goodput_on_new_engine(cfg, model_dir, trace, key, gp_trace, un_trace, slo, start,
-                                                      van_gp, n, log, el)
-        row.update(goodput_rps=goodput_done[key]["goodput_rps"], goodput_search=goodput_done[key])
-    if pair_llm is not None:
-        _free(pair_llm)
-
+    pair_llm = build_engine(model_dir, cfg, plugin_args(cfg, "h2o", 0.5), max_num_seqs=n)
+    _warm(pair_llm, trace)
+    runs: dict[str, list[RunResult]] = {"vanilla": [], "h2o": []}
+    s0 = stats_seconds(pair_llm)
+    for rnd, order in enumerate(pair_order("vanilla", "h2o", cfg.throughput_rounds)):
+        got = run_lockstep({k: {"vanilla": van, "h2o": pair_llm}[k] for k in order}, tp_trace)
+        for k in order:
+            runs[k].append(got[k])
+        log(f"closed loop, round {rnd + 1}: vanilla {got['vanilla'].tok_s:.1f} tok/s (running peak "
+            f"{got['vanilla'].probe.max_running}), vToken H2O 0.5 {got['h2o'].tok_s:.1f} tok/s (running peak "
+            f"{got['h2o'].probe.max_running}) {el()}")
+    s1 = stats_seconds(pair_llm)
+    backend = stats_backend(pair_llm)
+    _free(pair_llm)
     _free(van)
+    throughput = summarize_throughput(runs["vanilla"], runs["h2o"])
+    throughput.update(rounds=cfg.throughput_rounds, requests=len(tp_trace), policy="h2o", eviction_ratio=0.5,
+                      mode="vtoken", slack=cfg.slack)
+    log(f"throughput: vToken H2O 0.5 / vanilla = {throughput['ratio']}x {throughput['ratio_spread']} {el()}")
+    rows: dict[tuple[str, str, float], dict[str, Any]] = {}
+    if len(tp_trace) == n:
+        rows[("vanilla", "none", 0.0)] = _row("vanilla", "none", 0.0, runs["vanilla"][0], cfg.kv_blocks or 0, None)
+        rows[pair] = _row(*pair, runs["h2o"][0], cfg.kv_blocks or 0,
+                          None if s0 is None or s1 is None else (s1 - s0) / cfg.throughput_rounds)
+        for key, name in ((("vanilla", "none", 0.0), "vanilla"), (pair, "vtoken")):
+            rows[key].update(closed_loop_tok_s=throughput[f"{name}_tok_s"],
+                             closed_loop_tok_s_spread=throughput[f"{name}_tok_s_spread"])
+    return {"throughput": throughput, "rows": rows, "backend": backend}
+
+
+def run_interleaved(cfg: ServeConfig, model_dir: str, trace: Trace, log: Callable[[str], None],
+                    el: Callable[[], str]) -> dict[str, Any]:
+    """(c): ``cfg.rounds`` interleaved rounds over the trace's first requests that fit the KV budget together.
+    Each round runs the statistics-free engines (vanilla, policy none, a second vanilla for the A/A control) in
+    lockstep, then policy none, H2O 0.5 (and H2O with a one-block slack) alone in a rotating order; the engines
+    are rebuilt every round in a rotated order when ``cfg.rebuild``. Returns ``{"overhead", "stats_cost"}``."""
+    n = len(trace)
+    n_oh = fitting_prefix(trace, cfg.block_size, cfg.kv_blocks or 0, cfg.overhead_requests)
+    oh_trace = trace[:n_oh]
     keep: dict[str, Any] = {}
     sc_specs, alone = stats_cost_specs(cfg)  # built in this order: vanilla, none, vanilla_b, h2o[, h2o_slack]
     specs: dict[str, dict[str, Any] | None] = {"vanilla": None, "none": sc_specs.pop("none"), "vanilla_b": None,
@@ -1179,6 +1074,149 @@ def run_serve_benchmark(cfg: ServeConfig, log: Callable[[str], None] = print) ->
     finish_stats_cost(stats_cost, cfg, wall, cpu, parts, alone, n_oh)
     log(f"overhead {overhead['overhead_pct']}% {overhead['overhead_pct_spread']}; H2O/none "
         f"{stats_cost['ratio']}x {stats_cost['ratio_spread']} {el()}")
+    return {"overhead": overhead, "stats_cost": stats_cost}
+
+
+def goodput_traces(cfg: ServeConfig, trace: Trace) -> tuple[Trace, Trace]:
+    """``(goodput trace, unloaded trace)``: ``goodput_requests`` requests cycling over the trace, and its first
+    ``unloaded_requests`` (vanilla's unloaded TTFT / TPOT set the SLOs)."""
+    n = len(trace)
+    return [trace[i % n] for i in range(cfg.goodput_requests)], trace[: cfg.unloaded_requests]
+
+
+# The whole report's independent parts. Each builds, uses and frees its own engines, and whatever one part
+# compares runs interleaved inside it, so parts can run side by side (one process and one core each): another
+# part's load then hits both sides of a comparison alike. With ``workers`` > 1 they run in that many spawned
+# processes, longest first, one fresh process per part (an in-process vLLM engine cannot be freed while another
+# lives, and a fresh process starts each part alike); with 1, one after another in this process.
+#   closed_loop   (a) vanilla vs vToken H2O 0.5 in lockstep, and their rows       run_closed_loop
+#   interleaved   (c) the overhead trio and the statistics cost                   run_interleaved
+#   goodput       (b) vanilla's SLOs and goodput, then the goodput rows'          run_goodput_only
+#   row           (a) one other configuration, one closed-loop run                _single_row
+PARTS_ORDER = ("closed_loop", "interleaved", "goodput", "row")
+
+
+def run_part(cfg: ServeConfig, model_dir: str, trace: Trace, part: str, key: tuple[str, str, float] | None,
+             log: Callable[[str], None], el: Callable[[], str]) -> Any:
+    """One part of the report (see :data:`PARTS_ORDER`); ``key`` = ``(mode, policy, ratio)`` of a ``row``."""
+    if part == "closed_loop":
+        return run_closed_loop(cfg, model_dir, trace, log, el)
+    if part == "interleaved":
+        return run_interleaved(cfg, model_dir, trace, log, el)
+    if part == "goodput":
+        return run_goodput_only(cfg, model_dir, trace, *goodput_traces(cfg, trace), log, el)
+    if part == "row" and key is not None:
+        row, backend = _single_row(model_dir, cfg, trace, key)
+        log(f"{key[0]} {key[1]} {key[2]}: running peak {row['max_concurrency']}, guaranteed "
+            f"{row['guaranteed_concurrency']}, {row['closed_loop_tok_s']:.1f} tok/s closed loop {el()}")
+        return row, backend
+    raise ValueError(f"part {part!r} (key {key}); expected one of {PARTS_ORDER} (a row with its key)")
+
+
+def _part_job(cfg: ServeConfig, model_dir: str, part: str, key: tuple[str, str, float] | None,
+              t_start: float) -> Any:
+    """Worker-process entry: the trace (tokenised again: deterministic) and one part; log lines go to stderr
+    prefixed with the part (``t_start`` is the parent's ``perf_counter``, a clock every process shares)."""
+    import sys
+
+    _set_env()
+    label = part if key is None else f"row {key[0]} {key[1]} {key[2]}"
+
+    def log(m: str) -> None:
+        print(f"[{label}] {m}", file=sys.stderr, flush=True)
+
+    return run_part(cfg, model_dir, make_trace(model_dir, cfg), part, key, log,
+                    lambda: f"[{time.perf_counter() - t_start:.0f}s]")
+
+
+def run_parts(cfg: ServeConfig, model_dir: str, trace: Trace, jobs: Sequence[tuple[str, tuple[str, str, float] | None]],
+              log: Callable[[str], None], el: Callable[[], str], t_start: float) -> list[Any]:
+    """The results of ``jobs`` (``(part, key)``, in that order): side by side in ``cfg.workers`` spawned processes,
+    or one after another in this process when ``cfg.workers`` is 1 (see :data:`PARTS_ORDER`)."""
+    if cfg.workers <= 1 or len(jobs) <= 1:
+        return [run_part(cfg, model_dir, trace, part, key, log, el) for part, key in jobs]
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    log(f"{len(jobs)} parts ({', '.join(sorted({p for p, _ in jobs}))}), {cfg.workers} worker processes side by "
+        f"side {el()}")
+    with ProcessPoolExecutor(max_workers=cfg.workers, mp_context=mp.get_context("spawn"),
+                             max_tasks_per_child=1) as ex:
+        futs = [ex.submit(_part_job, cfg, model_dir, part, key, t_start) for part, key in jobs]
+        return [f.result() for f in futs]
+
+
+def run_serve_benchmark(cfg: ServeConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Everything the CLI prints (the JSON report)."""
+    cfg.validate()
+    _set_env()
+    from vtoken_bench.models import smollm2_path
+
+    t_start, c_start = time.perf_counter(), time.process_time()
+    model_dir = cfg.model or str(smollm2_path())
+    trace = make_trace(model_dir, cfg)
+    n = len(trace)
+    if cfg.kv_blocks is None:
+        cfg.kv_blocks = default_kv_blocks(trace, cfg.block_size, cfg.vanilla_target)
+    if cfg.max_model_len is None:
+        longest = max(len(p) + m for p, m in trace)
+        cfg.max_model_len = -(-longest // cfg.block_size) * cfg.block_size
+    gp_trace, un_trace = goodput_traces(cfg, trace)
+    n_oh = fitting_prefix(trace, cfg.block_size, cfg.kv_blocks, cfg.overhead_requests)
+    oh_trace = trace[:n_oh]
+    el = lambda: f"[{time.perf_counter() - t_start:.0f}s]"  # noqa: E731
+    log(f"trace: {n} requests, prompts {cfg.prompt_tokens} (mean {np.mean([len(p) for p, _ in trace]):.0f}), "
+        f"outputs {cfg.output_tokens}; KV budget {cfg.kv_blocks} blocks of {cfg.block_size}; when={cfg.when}")
+    if cfg.only == "goodput":
+        rows, slo_cfg = run_goodput_only(cfg, model_dir, trace, gp_trace, un_trace, log, el)
+        config = report_config(cfg, gp_trace)
+        config.update(**_rounded_slos(slo_cfg))
+        return {"goodput": rows, "config": config, "seconds": round(time.perf_counter() - t_start, 1),
+                "cpu_seconds": round(time.process_time() - c_start, 1)}
+    if cfg.only == "stats-cost":
+        stats_cost = run_stats_cost_only(cfg, model_dir, trace, n_oh, n, log, el)
+        log(f"H2O/none {stats_cost['ratio']}x {stats_cost['ratio_spread']} wall, {stats_cost['ratio_cpu']}x "
+            f"{stats_cost['ratio_cpu_spread']} CPU {el()}")
+        config = report_config(cfg, oh_trace)
+        config.update(stats_backend=stats_cost.pop("stats_backend"))
+        return {"stats_cost": stats_cost, "config": config, "seconds": round(time.perf_counter() - t_start, 1),
+                "cpu_seconds": round(time.process_time() - c_start, 1)}
+
+    # (a) the closed loop (vanilla vs vToken H2O 0.5 in lockstep; their rows too when it runs the whole trace),
+    # (b) goodput, (c) overhead and statistics cost, and (a)'s other rows (one closed-loop run each: their
+    # counts do not depend on timing): independent parts, side by side in ``workers`` processes
+    pair = ("vtoken", "h2o", 0.5)
+    has_pair = "vtoken" in cfg.modes and "h2o" in cfg.policies and any(math.isclose(r, 0.5) for r in cfg.ratios)
+    whole = has_pair and (not cfg.throughput_requests or cfg.throughput_requests >= n)
+    todo = [k for k in [("vanilla", "none", 0.0)] + [(m, p, r) for p in cfg.policies for r in cfg.ratios
+                                                      for m in cfg.modes]
+            if not (whole and k in (("vanilla", "none", 0.0), pair))]
+    jobs: list[tuple[str, tuple[str, str, float] | None]] = [
+        *((("closed_loop", None),) if has_pair else ()), ("interleaved", None), ("goodput", None),
+        *(("row", k) for k in todo)]
+    got = dict(zip(jobs, run_parts(cfg, model_dir, trace, jobs, log, el, t_start), strict=True))
+    throughput: dict[str, Any] | None = None
+    backend = None
+    rows_by: dict[tuple[str, str, float], dict[str, Any]] = {}
+    if has_pair:
+        cl = got[("closed_loop", None)]
+        throughput, backend = cl["throughput"], cl["backend"]
+        rows_by.update(cl["rows"])
+    for key in todo:
+        rows_by[key], bk = got[("row", key)]
+        backend = backend or bk
+    gp_rows, slo_cfg = got[("goodput", None)]
+    goodput_done = {(r["mode"], r["policy"], r["eviction_ratio"]): r["goodput_search"] for r in gp_rows}
+    van_gp: float | None = goodput_done[("vanilla", "none", 0.0)]["goodput_rps"]
+    overhead, stats_cost = got[("interleaved", None)]["overhead"], got[("interleaved", None)]["stats_cost"]
+    rows = [rows_by[("vanilla", "none", 0.0)]] + [rows_by[(m, p, r)] for p in cfg.policies for r in cfg.ratios
+                                                  for m in cfg.modes]
+    for row in rows:
+        row["closed_loop_measure"] = ("lockstep median" if "closed_loop_tok_s_spread" in row
+                                      else f"single run{', worker process' if cfg.workers > 1 else ''}")
+        key = (row["mode"], row["policy"], row["eviction_ratio"])
+        if key in goodput_done:
+            row.update(goodput_rps=goodput_done[key]["goodput_rps"], goodput_search=goodput_done[key])
 
     van_row = rows[0]
     for row in rows:

@@ -96,10 +96,13 @@ def test_bench_serve_tiny_trace_json_schema_and_gains(tmp_path: Path) -> None:
                               "--throughput-rounds", "2",
                               "--json", str(out), "--plot", str(tmp_path / "s.png")])
     assert res.exit_code == 0, res.output
+    # the report's parts ran side by side in two worker processes
+    assert "6 parts (closed_loop, goodput, interleaved, row), 2 worker processes side by side" in " ".join(
+        res.output.split())
     d = json.loads(out.read_text())
     rows = {(r["mode"], r["policy"], r["eviction_ratio"]): r for r in d["rows"]}
     assert set(rows) == {("vanilla", "none", 0.0), *((m, "h2o", r) for m in ("naive", "vtoken") for r in (0.5, 0.7))}
-    # the rows the lockstep rounds did not measure ran once each, in two worker processes
+    # the rows the lockstep rounds did not measure ran once each, in the worker processes
     assert {k for k, r in rows.items() if r["closed_loop_measure"].startswith("single run, worker")} == {
         ("naive", "h2o", 0.5), ("naive", "h2o", 0.7), ("vtoken", "h2o", 0.7)}
     assert rows[("vtoken", "h2o", 0.7)]["mean_peak_blocks"] <= rows[("vtoken", "h2o", 0.5)]["mean_peak_blocks"]
@@ -141,16 +144,21 @@ def test_bench_serve_tiny_trace_json_schema_and_gains(tmp_path: Path) -> None:
 @pytest.mark.vllm
 def test_bench_serve_goodput_max_seqs_caps_only_the_goodput_engines(tmp_path: Path) -> None:
     """The whole report with --goodput-max-seqs: the goodput searches run on capped engines of their own,
-    the concurrency rows and the closed loop on the uncapped ones."""
+    the concurrency rows and the closed loop on the uncapped ones. With --workers 1 the report's parts (closed
+    loop, overhead and statistics cost, goodput) run one after another in this process, each on engines of its
+    own built after the previous part freed its."""
     out = tmp_path / "s.json"
     res = runner.invoke(app, ["bench", "serve", "--policies", "h2o", "--ratios", "0.5", "--modes", "vtoken",
                               "--requests", "5", "--prompt-tokens", "96,128", "--output-tokens", "8,12",
                               "--vanilla-target", "2", "--chunk", "64", "--step-tokens", "128", "--goodput-requests", "3",
                               "--bisect-steps", "0", "--rounds", "1", "--throughput-rounds", "1", "--goodput-max-seqs",
-                              "2", "--json", str(out), "--plot", str(tmp_path / "s.png")])
+                              "2", "--workers", "1", "--json", str(out), "--plot", str(tmp_path / "s.png")])
     assert res.exit_code == 0, res.output
+    assert "worker processes" not in res.output  # nothing spawned
     d = json.loads(out.read_text())
     rows = {(r["mode"], r["eviction_ratio"]): r for r in d["rows"]}
+    assert {r["closed_loop_measure"] for r in rows.values()} == {"lockstep median"}
+    assert d["overhead"]["rounds"] == 1 and d["stats_cost"]["h2o_parts"]["evictions"] >= 1
     assert d["config"]["goodput_max_seqs"] == 2 and set(rows) == {("vanilla", 0.0), ("vtoken", 0.5)}
     for r in rows.values():
         assert r["goodput_rps"] == r["goodput_search"]["goodput_rps"] >= 0
