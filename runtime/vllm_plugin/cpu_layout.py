@@ -57,6 +57,14 @@ def probe_cpu_kv_layout(isa: str, dtype: torch.dtype, block_size: int, head_size
     return maps[0], maps[1]
 
 
+def element_index(blk: Any, off: Any, heads: Any, emap: Any, H: int, R: int) -> Any:
+    """Flat element ids of a probed map's cells in vLLM's CPU cache ``[NB, H, bs, 2D]`` (one region of ``R =
+    2 * bs * D`` elements per (block, head)): ``((blk * H + heads) * R)[..., None] + emap[off]``, numpy arrays or
+    torch tensors alike; ``blk``, ``off``, ``heads`` broadcast, ``emap [bs, W]`` gives the last axis (K's
+    or V's map, or both side by side). The one address rule of the copy engine and the readers."""
+    return ((blk * H + heads) * R)[..., None] + emap[off]
+
+
 class VllmCpuCopyEngine(CopyEngine):
     """Copy engine for vLLM's CPU KV tensors ``[NB, H, bs, 2D]`` whose inner layout was probed
     (:func:`probe_cpu_kv_layout`). Moves single elements of a flat view: a token-head move is
@@ -64,6 +72,7 @@ class VllmCpuCopyEngine(CopyEngine):
 
     def __init__(self, *args: Any, kmap: np.ndarray, vmap: np.ndarray, **kwargs: Any) -> None:
         self.kmap, self.vmap = kmap, vmap
+        self._kvmap = np.concatenate([kmap, vmap], axis=1)  # [bs, 2D]: a token-head's K then V elements
         super().__init__(*args, **kwargs)
 
     def _kv_views(self, t: Any) -> list[torch.Tensor]:
@@ -74,16 +83,13 @@ class VllmCpuCopyEngine(CopyEngine):
         return [t.view(-1, 1)]
 
     def _kv_index(self, slots: np.ndarray, heads: np.ndarray | None) -> np.ndarray:
-        H, bs, D = self.H, self.bs, self.D
-        R = 2 * bs * D
+        H, bs = self.H, self.bs
         blk, off = slots // bs, slots % bs
-        if heads is None:
-            region = (blk[:, None] * H + np.arange(H, dtype=np.int64)) * R  # [m, H]
-            kv = np.concatenate([self.kmap[off], self.vmap[off]], axis=1)  # [m, 2D]
-            return (region[:, :, None] + kv[:, None, :]).reshape(-1)
-        region = (blk * H + heads) * R
-        kv = np.concatenate([self.kmap[off], self.vmap[off]], axis=1)
-        return (region[:, None] + kv).reshape(-1)
+        if heads is None:  # a token's elements in every head: [m, H, 2D]
+            idx = element_index(blk[:, None], off[:, None], np.arange(H, dtype=np.int64), self._kvmap, H, 2 * bs * self.D)
+        else:  # [m, 2D]
+            idx = element_index(blk, off, heads, self._kvmap, H, 2 * bs * self.D)
+        return idx.reshape(-1)
 
     def row_bytes(self) -> int:
         el = self._views[0][0].element_size() if self._views else 4
@@ -134,13 +140,12 @@ class MappedKV:
         self.emap = torch.as_tensor(emap, dtype=torch.int64, device=cache.device)  # [bs, D]
 
     def __getitem__(self, idx: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        if len(idx) == 2:
+        if len(idx) == 2:  # every head: [..., H, D]
             blk, off = idx
             h = torch.arange(self.H, device=blk.device)
-            region = (blk[..., None] * self.H + h) * self.R  # [..., H]
-            return self.flat[region[..., None] + self.emap[off][..., None, :]]
-        blk, off, h = idx
-        return self.flat[((blk * self.H + h) * self.R)[..., None] + self.emap[off]]
+            return self.flat[element_index(blk[..., None], off[..., None], h, self.emap, self.H, self.R)]
+        blk, off, h = idx  # [..., D]
+        return self.flat[element_index(blk, off, h, self.emap, self.H, self.R)]
 
 
 def vllm_cpu_mapped(kv_caches: Sequence[torch.Tensor], kmap: np.ndarray, vmap: np.ndarray

@@ -190,14 +190,16 @@ class VTokenRunnerMixin:
         kmap, vmap = probe_cpu_kv_layout(isa, kv[0].dtype, bs, d2 // 2)
         affine = is_affine_layout(kmap, vmap)
         pol = self._vt_policy
-        if not affine and reads_attention(pol) and resolve_backend(None, kv[0].device) == "numba":
+        reads = not affine and reads_attention(pol)  # the statistics must read a layout with no strided view
+        backend = resolve_backend(None, kv[0].device) if reads else None
+        if reads and backend == "numba":
             # bf16 on an AMX CPU: the numba statistics kernel reads vLLM's amx keys in place (pairs of dims per
             # 32-bit word), the attention keeps its amx kernels
             self._vt_stats_keys = amx_paired_keys(kv, kmap)
             if self._vt_stats_keys is not None and self._vt_rank == 0:
                 log.info("vtoken: the statistics kernel reads vLLM's %r KV layout in place (pairs of dims per "
                          "32-bit word); attention keeps the %r kernels", isa, isa)
-        if not affine and reads_attention(pol) and self._vt_stats_keys is None:
+        if reads and self._vt_stats_keys is None:
             # the torch statistics backend (or a layout the kernel cannot read) needs strided views: this
             # engine's attention switches to the vec kernels (affine; the model's matmuls still run on AMX)
             # before any token is cached
@@ -205,7 +207,7 @@ class VTokenRunnerMixin:
             if self._vt_rank == 0:
                 log.warning("vtoken: policy %r reads attention statistics, which the %s statistics backend cannot "
                             "read from vLLM's %r KV layout (%s): attention uses the 'vec' kernels on this engine",
-                            pol.name, resolve_backend(None, kv[0].device), isa, kv[0].dtype)
+                            pol.name, backend, isa, kv[0].dtype)
             isa = "vec"
             kmap, vmap = probe_cpu_kv_layout(isa, kv[0].dtype, bs, d2 // 2)
             affine = is_affine_layout(kmap, vmap)
