@@ -728,7 +728,7 @@ def stats_cost_specs(cfg: ServeConfig) -> tuple[dict[str, dict[str, Any]], tuple
     return specs, tuple(specs)
 
 
-PARTS = ("statistics_s", "policy_s", "reclaim_s", "evictions")  # where H2O's extra time goes, per alone run
+H2O_PARTS = ("statistics_s", "policy_s", "reclaim_s", "evictions")  # where H2O's extra time goes (stats_cost.h2o_parts)
 
 
 def alone_key(name: str) -> str:
@@ -738,30 +738,30 @@ def alone_key(name: str) -> str:
 
 
 def run_alone(keep: dict[str, Any], order: Sequence[str], trace: Trace, wall: dict[str, list[float]],
-              cpu: dict[str, list[float]], parts: dict[str, list[float]]) -> None:
+              cpu: dict[str, list[float]], h2o_parts: dict[str, list[float]]) -> None:
     """One round of the statistics cost: each engine of ``order`` runs ``trace`` alone; its seconds are
-    appended (policy none's under ``none_alone``), and for H2O where its extra time went (``parts``: the
+    appended (policy none's under ``none_alone``), and for H2O where its extra time went (``h2o_parts``: the
     statistics collector, the policy, the compaction, the evictions)."""
     for name in order:
         s0, c0 = stats_seconds(keep[name]), _runner(keep[name]).vtoken_counters
         res = run_trace(keep[name], trace)
         if name == "h2o":
             s1, c1 = stats_seconds(keep[name]), _runner(keep[name]).vtoken_counters
-            parts["statistics_s"].append((s1 or 0.0) - (s0 or 0.0))
+            h2o_parts["statistics_s"].append((s1 or 0.0) - (s0 or 0.0))
             for k, c in (("policy_s", "policy_seconds"), ("reclaim_s", "reclaim_seconds"), ("evictions", "evictions")):
-                parts[k].append(float(c1.get(c, 0.0) - c0.get(c, 0.0)))
+                h2o_parts[k].append(float(c1.get(c, 0.0) - c0.get(c, 0.0)))
         wall[alone_key(name)].append(res.seconds)
         cpu[alone_key(name)].append(res.cpu_seconds)
 
 
 def finish_stats_cost(stats_cost: dict[str, Any], cfg: ServeConfig, wall: dict[str, list[float]],
-                      cpu: dict[str, list[float]], parts: dict[str, list[float]], alone: Sequence[str],
+                      cpu: dict[str, list[float]], h2o_parts: dict[str, list[float]], alone: Sequence[str],
                       requests: int) -> dict[str, Any]:
     """``stats_cost`` with the settings, H2O's parts (medians over the rounds) and the slack variant."""
     stats_cost.update(policy="h2o", eviction_ratio=0.5, mode="vtoken", when=cfg.when, slack=cfg.slack,
                       rounds=cfg.rounds, requests=requests)
-    if parts["evictions"]:  # medians over the rounds of H2O's alone runs
-        stats_cost["h2o_parts"] = {k: round(statistics.median(v), 3) for k, v in parts.items()}
+    if h2o_parts["evictions"]:  # medians over the rounds of H2O's alone runs
+        stats_cost["h2o_parts"] = {k: round(statistics.median(v), 3) for k, v in h2o_parts.items()}
     if "h2o_slack" in alone:
         pr, pc = paired_ratio(wall["h2o_slack"], wall["none_alone"]), paired_ratio(cpu["h2o_slack"], cpu["none_alone"])
         stats_cost.update(slack_variant=cfg.block_size, h2o_slack_s=round(statistics.median(wall["h2o_slack"]), 3),
@@ -800,18 +800,18 @@ def run_stats_cost_only(cfg: ServeConfig, model_dir: str, trace: Trace, n_oh: in
     specs, alone = stats_cost_specs(cfg)
     wall: dict[str, list[float]] = {k: [] for k in (*alone, "none_alone")}
     cpu: dict[str, list[float]] = {k: [] for k in (*alone, "none_alone")}
-    parts: dict[str, list[float]] = {k: [] for k in PARTS}
+    h2o_parts: dict[str, list[float]] = {k: [] for k in H2O_PARTS}
     keep: dict[str, Any] = {}
     for rnd, (order, build) in enumerate(zip(alone_orders(alone, cfg.rounds), interleaved_order(alone, cfg.rounds),
                                              strict=True)):
         keep = round_engines(keep, build, specs, model_dir, cfg, max_num_seqs, trace)
-        run_alone(keep, order, trace[:n_oh], wall, cpu, parts)
+        run_alone(keep, order, trace[:n_oh], wall, cpu, h2o_parts)
         log(f"round {rnd + 1}: " + ", ".join(f"{k} {wall[alone_key(k)][-1]:.2f}s (cpu {cpu[alone_key(k)][-1]:.2f}s)"
                                              for k in order) + f" {el()}")
     backend = stats_backend(keep["h2o"])
     for llm in keep.values():
         _free(llm)
-    return {**finish_stats_cost(summarize_stats_cost(wall, cpu, "none_alone"), cfg, wall, cpu, parts, alone, n_oh),
+    return {**finish_stats_cost(summarize_stats_cost(wall, cpu, "none_alone"), cfg, wall, cpu, h2o_parts, alone, n_oh),
             "stats_backend": backend}
 
 
@@ -1038,7 +1038,7 @@ def run_interleaved(cfg: ServeConfig, model_dir: str, trace: Trace, log: Callabl
     wall: dict[str, list[float]] = {k: [] for k in (*specs, "none_alone")}
     cpu: dict[str, list[float]] = {k: [] for k in (*specs, "none_alone")}
     none_steps, tokens, ind_s, ind_steps = 0, 0, 0.0, 0
-    parts: dict[str, list[float]] = {k: [] for k in PARTS}
+    h2o_parts: dict[str, list[float]] = {k: [] for k in H2O_PARTS}
     trio = ("vanilla", "none", "vanilla_b")
     for rnd, (order, pair, build) in enumerate(zip(interleaved_order(trio, cfg.rounds),
                                                    alone_orders(alone, cfg.rounds),
@@ -1060,7 +1060,7 @@ def run_interleaved(cfg: ServeConfig, model_dir: str, trace: Trace, log: Callabl
                 none_steps += g.probe.steps
         # statistics cost: policy none and H2O (and H2O with slack), each running the trace alone, the order
         # rotating over rounds
-        run_alone(keep, pair, oh_trace, wall, cpu, parts)
+        run_alone(keep, pair, oh_trace, wall, cpu, h2o_parts)
         log(f"round {rnd + 1}: " + ", ".join(f"{k} {wall[k][-1]:.2f}s (cpu {cpu[k][-1]:.2f}s)"
                                              for k in (*order, "none_alone", *alone[1:])) + f" {el()}")
     for llm in keep.values():
@@ -1071,7 +1071,7 @@ def run_interleaved(cfg: ServeConfig, model_dir: str, trace: Trace, log: Callabl
     overhead.update(indirection_ms_per_step=round(ind_ms, 4), step_ms=round(step_ms, 2),
                     indirection_pct_of_step=round(100.0 * ind_ms / step_ms, 3) if step_ms else None,
                     rounds=cfg.rounds, rebuilt_per_round=cfg.rebuild, requests=n_oh, output_tokens=tokens)
-    finish_stats_cost(stats_cost, cfg, wall, cpu, parts, alone, n_oh)
+    finish_stats_cost(stats_cost, cfg, wall, cpu, h2o_parts, alone, n_oh)
     log(f"overhead {overhead['overhead_pct']}% {overhead['overhead_pct_spread']}; H2O/none "
         f"{stats_cost['ratio']}x {stats_cost['ratio_spread']} {el()}")
     return {"overhead": overhead, "stats_cost": stats_cost}
