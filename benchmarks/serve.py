@@ -981,6 +981,12 @@ def _single_row(model_dir: str, cfg: ServeConfig, trace: Trace, key: tuple[str, 
     return _row(mode, pol, r, res, cfg.kv_blocks or 0, None if s0 is None or s1 is None else s1 - s0), backend
 
 
+def lockstep_trace(cfg: ServeConfig, trace: Trace) -> Trace:
+    """The requests the closed loop's lockstep rounds run: the trace's first ``throughput_requests`` (None: all).
+    When that is the whole trace, those rounds also give vanilla's and H2O 0.5's rows."""
+    return trace[: cfg.throughput_requests] if cfg.throughput_requests else trace
+
+
 def run_closed_loop(cfg: ServeConfig, model_dir: str, trace: Trace, log: Callable[[str], None],
                     el: Callable[[], str]) -> dict[str, Any]:
     """(a)'s compared timing: vanilla and vToken H2O 0.5 (uncapped: ``max_num_seqs`` = the trace) run the trace's
@@ -988,7 +994,7 @@ def run_closed_loop(cfg: ServeConfig, model_dir: str, trace: Trace, log: Callabl
     "rows", "backend"}``: when those requests are the whole trace, the first round's probes give vanilla's and
     H2O 0.5's rows (with the lockstep medians as their tokens/s); ``rows`` is empty otherwise."""
     n = len(trace)
-    tp_trace = trace[: cfg.throughput_requests] if cfg.throughput_requests else trace
+    tp_trace = lockstep_trace(cfg, trace)
     pair = ("vtoken", "h2o", 0.5)
     van = build_engine(model_dir, cfg, None, max_num_seqs=n)
     _warm(van, trace)
@@ -1187,7 +1193,7 @@ def run_serve_benchmark(cfg: ServeConfig, log: Callable[[str], None] = print) ->
     # counts do not depend on timing): independent parts, side by side in ``workers`` processes
     pair = ("vtoken", "h2o", 0.5)
     has_pair = "vtoken" in cfg.modes and "h2o" in cfg.policies and any(math.isclose(r, 0.5) for r in cfg.ratios)
-    whole = has_pair and (not cfg.throughput_requests or cfg.throughput_requests >= n)
+    whole = has_pair and len(lockstep_trace(cfg, trace)) == n  # the closed loop gives vanilla's and H2O 0.5's rows
     todo = [k for k in [("vanilla", "none", 0.0)] + [(m, p, r) for p in cfg.policies for r in cfg.ratios
                                                       for m in cfg.modes]
             if not (whole and k in (("vanilla", "none", 0.0), pair))]

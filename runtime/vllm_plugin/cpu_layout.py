@@ -84,12 +84,11 @@ class VllmCpuCopyEngine(CopyEngine):
 
     def _kv_index(self, slots: np.ndarray, heads: np.ndarray | None) -> np.ndarray:
         H, bs = self.H, self.bs
+        R = 2 * bs * self.D
         blk, off = slots // bs, slots % bs
         if heads is None:  # a token's elements in every head: [m, H, 2D]
-            idx = element_index(blk[:, None], off[:, None], np.arange(H, dtype=np.int64), self._kvmap, H, 2 * bs * self.D)
-        else:  # [m, 2D]
-            idx = element_index(blk, off, heads, self._kvmap, H, 2 * bs * self.D)
-        return idx.reshape(-1)
+            return element_index(blk[:, None], off[:, None], np.arange(H, dtype=np.int64), self._kvmap, H, R).reshape(-1)
+        return element_index(blk, off, heads, self._kvmap, H, R).reshape(-1)  # [m, 2D]
 
     def row_bytes(self) -> int:
         el = self._views[0][0].element_size() if self._views else 4
