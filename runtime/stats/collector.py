@@ -57,7 +57,7 @@ class StatsCollector:
                              f"only; got {len(keys)} with backend {self.backend!r}")
         self._keys = keys
         self._layers: dict[int, tuple[tuple[Any, ...], Any]] = {}  # numba: layer -> (its tensors, PreparedLayer)
-        self._step: tuple[Any, Any, Any, Any] | None = None  # numba: (md, query_pos, prompt_lens, prepared step)
+        self._step: tuple[Any, Any, Any, Any, Any] | None = None  # numba: (md, query_pos, prompt_lens, token_index, prepared)
 
     def write_norms(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Key/value norms of freshly cached tokens: ``k, v [T, H_kv, D]`` at physical ``slots [T]``."""
@@ -84,10 +84,15 @@ class StatsCollector:
         self.seconds += time.perf_counter() - t0
 
     def attention(self, layer: int, query: torch.Tensor, md: Any, query_pos: torch.Tensor,
-                  prompt_lens: torch.Tensor, scale: float | None = None) -> None:
-        """Statistics of ``query [B, Q, H_q, D]`` over the paged cache (see module doc for the backends)."""
+                  prompt_lens: torch.Tensor, scale: float | None = None,
+                  token_index: torch.Tensor | None = None) -> None:
+        """Statistics of ``query [B, Q, H_q, D]`` over the paged cache (see module doc for the backends); or of the
+        query rows ``[T, H_q, D]`` that ``token_index [B, Q]`` (-1 = padding) names per (request, query): the numba
+        kernel reads them in place, the other backends take them gathered (padding zeroed)."""
         if not self.attn:
             return
+        if token_index is not None and self.backend != "numba":
+            query, token_index = gather_query_rows(query, token_index), None
         t0 = time.perf_counter()
         if self._kernel is None:
             _, probs = self.cache.attention(layer, query, md, query_pos, return_probs=True, scale=scale)
@@ -100,7 +105,7 @@ class StatsCollector:
             cache.fence()
         if self.backend == "numba":
             try:
-                self._numba(layer, query, md, query_pos, prompt_lens, scale)
+                self._numba(layer, query, md, query_pos, prompt_lens, scale, token_index)
             except ValueError:  # misuse: shapes, dtypes
                 raise
             except Exception as e:  # the kernel could not load or compile: it wrote nothing
@@ -111,7 +116,7 @@ class StatsCollector:
                             "statistics from now on", type(e).__name__, e)
                 self.backend, self._kernel = "torch", None
                 self.seconds += time.perf_counter() - t0
-                self.attention(layer, query, md, query_pos, prompt_lens, scale)
+                self.attention(layer, query, md, query_pos, prompt_lens, scale, token_index)
                 return
         else:
             self._kernel(query, cache.key_cache(layer), md.block_tables, md.cache_lens, query_pos,
@@ -121,7 +126,7 @@ class StatsCollector:
         self.seconds += time.perf_counter() - t0
 
     def _numba(self, layer: int, query: torch.Tensor, md: Any, query_pos: torch.Tensor, prompt_lens: torch.Tensor,
-               scale: float | None) -> None:
+               scale: float | None, token_index: torch.Tensor | None = None) -> None:
         """The numba kernel on arguments prepared once per layer (views of the cache's key, position and
         statistic stores, rebuilt when one of those tensors changes) and once per step (the metadata, the same
         for every layer): most of a decode call's Python otherwise (``stats.cpu_kernel.prepare_layer``)."""
@@ -136,10 +141,16 @@ class StatsCollector:
                                        {n: cache.store.tensor(n)[layer] for n in self.attn}))
             self._layers[layer] = prep
         if self._step is None or self._step[0] is not md or self._step[1] is not query_pos \
-                or self._step[2] is not prompt_lens:
-            self._step = (md, query_pos, prompt_lens, prepare_step(md.block_tables, md.cache_lens, query_pos,
-                                                                    prompt_lens))
-        run_prepared(prep[1], self._step[3], query, scale, cfg.obs_window, cfg.history_window, cfg.low_attn_threshold)
+                or self._step[2] is not prompt_lens or self._step[3] is not token_index:
+            self._step = (md, query_pos, prompt_lens, token_index,
+                          prepare_step(md.block_tables, md.cache_lens, query_pos, prompt_lens, token_index))
+        run_prepared(prep[1], self._step[4], query, scale, cfg.obs_window, cfg.history_window, cfg.low_attn_threshold)
+
+
+def gather_query_rows(rows: torch.Tensor, token_index: torch.Tensor) -> torch.Tensor:
+    """``rows [T, H_q, D]`` -> ``[B, Q, H_q, D]`` by ``token_index [B, Q]``, the padding (-1) zeroed."""
+    q = rows[token_index.clamp(min=0)]
+    return torch.where((token_index >= 0)[:, :, None, None], q, torch.zeros((), dtype=q.dtype, device=q.device))
 
 
 BACKENDS = ("auto", "torch", "triton", "numba")

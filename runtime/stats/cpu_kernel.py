@@ -14,9 +14,13 @@ the kernel; a pure copy of the bits, whatever the cache layout): a unit stride a
 dim-major per (block, head)) copies, per run of the tile's consecutive keys inside one block, one
 contiguous slice per ``d``; any other layout is read element by element. A dim-major cache with a block size
 that is a multiple of 8 and a request whose scores are cached (below) gathers no keys at all: pass 1
-reads each run in place, 32 / 16 / 8 keys per call and 8 per vector load per ``d``, each load shared by up to
-``DOT_ROWS`` query heads of the GQA group (the same sums in the same order, so the same bits; the tile copy
-of 16-key runs cost more than the dot products it feeds, decode and prefill alike). vLLM's bf16 ``amx`` layout
+reads the keys in place, each vector load shared by up to ``DOT_ROWS`` query heads of the GQA group (the same
+sums in the same order, so the same bits; the tile copy of 16-key runs cost more than the dot products it
+feeds, decode and prefill alike). With 16-slot-aligned segments (a multiple of 16: vLLM's amx segments, fp32 /
+vec blocks of 32) the tile's whole groups of 16 keys go 64 / 32 / 16 keys per call, one 512-bit load per
+group and ``d``, the groups of one call taken from different segments or blocks: rows x groups independent
+FMA chains (one 16-key segment x 3 rows per call left the dot products bound by the FMA latency: 1.4x
+slower); the rest of a tile 32 / 16 / 8 keys per call inside one segment. vLLM's bf16 ``amx`` layout
 stores K as pairs of dims per 32-bit word, dim-major by pair (:class:`PairedKeys`): the same paths read it, one
 word (load) per pair of dims, split into the two dims' fp32 bits (low half: dim 2p, high half: 2p + 1):
 
@@ -25,7 +29,8 @@ word (load) per pair of dims, split into the two dims' fp32 bits (low half: dim 
    the row max ``m`` = the max of the lanes) and the visible-key count ``n_vis`` of the query;
 2. the sum pass, once ``m`` is final: ``e = exp(s - m)`` per visible (row, key), 0 elsewhere, added to the
    row's lanes (tiles ascending, keys in order), ``l`` = the lanes summed in order: one exponential per
-   (row, key), where an online max would need a rescale per tile and a second exponential in pass 2;
+   (row, key), where an online max would need a rescale per tile and a second exponential in pass 2; with
+   the scores cached, 16 keys per call (``_exp_acc16``: 512-bit vectors, the scalar polynomial's operations);
 3. pass 2: ``P = sum_g e_g * (1 / l_g)`` per (query, key), reduced over queries into the four
    statistics, per virtual slot; then folded into the per-slot stores (add / overwrite / decay-and-add) at
    the physical slots (every virtual slot ``j < cache_len``: dead slots get the same 0 contributions, the
@@ -41,7 +46,13 @@ block, and the contributions add up per key over the queries in order across blo
 depend on the blocks). Only when the request's tiles do not fit in one scratch chunk (or one query's scores
 not in ``SCORE_BYTES``) are the scores recomputed in each pass, with the same bits. No probability matrix
 exists. Tiles whose smallest key position is past a query's position are skipped for it (the causal half
-of a prefill chunk).
+of a prefill chunk). A query at position ``qp`` sees the keys of a tile that a query at ``min(qp, kmax)`` sees
+(``kmax``: the tile's largest key position), so each pass computes a tile's visibility mask once for all the
+queries past the tile and again only along the causal diagonal (per query it cost a third of a prefill call).
+
+Queries: ``query [B, Q, H_q, D]``, or (:func:`prepare_step`'s ``token_index``) the step's flat query rows
+``[T, H_q, D]`` read in place, e.g. vLLM's query tensor (no padded copy); bf16 queries are read as their bits
+and widened in the kernel (exact), fp32 as they are.
 
 Only the queries a statistic reads are processed (the per-request list is built first):
 ``attn_last`` reads the request's last valid query, ``attn_window`` the valid queries at positions
@@ -281,16 +292,39 @@ def _py_scores(qb, r0, G, D, kt, kto, acc, ao, BN, BNe):  # type: ignore[no-unty
 def _py_scores_direct(qb, r0, G, D, kraw, kfmt, rowb, j0, nt, seg, k_sd, acc, ao, BN,
                       BNe):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
     """:func:`_py_scores` read straight from a dim-major cache (unit stride along the block slot inside segments of
-    ``seg`` slots, ``seg % 8 == 0``) instead of a gathered tile: per run of the tile's keys inside one segment,
-    32 / 16 / 8 keys per call for up to
-    ``DOT_ROWS`` of the G query heads at once (``_dot32`` / ``_dot16`` / ``_dot8``: vector loads of
-    ``kraw[rowb + d*k_sd ...]``, the key's fp32 bits as the gather would write them, one per 8 keys and d serving
-    every row; rows x keys / 8 independent accumulators keep the FMA units busy; ``KF_PAIRS``: one vector load of
-    8 words per pair of dims, split into the two dims' keys), the rest one by one. Every score is the same sum in
-    the same order (from 0, fma over d in order): the same bits."""
+    ``seg`` slots, ``seg % 8 == 0``) instead of a gathered tile, for up to ``DOT_ROWS`` of the G query heads at
+    once: with ``seg % 16 == 0`` (and the tile starting 16-aligned in its segment) the tile's whole 16-key groups
+    64 / 32 / 16 keys per call (``_dot64`` / ``_dot32`` / ``_dot16``: 512-bit loads, one per group and d, groups of
+    different segments), then per run of the remaining keys inside one segment 32 / 16 / 8 keys per call
+    (``_dot8``: 256-bit), vector loads of ``kraw[rowb + d*k_sd ...]``, the key's fp32 bits as the gather would
+    write them, serving every row; rows x vectors independent accumulators keep the FMA units busy;
+    ``KF_PAIRS``: one vector load of words per pair of dims, split into the two dims' keys), the rest one by
+    one. Every score is the same sum in the same order (from 0, fma over d in order): the same bits."""
     pairs = kfmt == KF_PAIRS
     jj0 = 0
     off = j0 % seg  # of the tile's first key; later runs start segments
+    if seg % 16 == 0 and off % 16 == 0:
+        # the tile's whole groups of 16 keys: each lies inside one segment (segments start 16-aligned from the tile's
+        # first key), so one call takes up to 4 groups from different segments (vLLM's amx segments hold 16 keys):
+        # rows x 4 independent accumulator chains, enough to hide the FMA latency (1 group x 3 rows is not)
+        nfull = nt - nt % 16
+        g = 0
+        while g < G:
+            nr = min(G - g, DOT_ROWS)
+            qo = (r0 + g) * D
+            o = ao + g * BN
+            u = 0
+            while u + 64 <= nfull:
+                _dot64(qb, qo, nr, kraw, rowb, u, k_sd, D, acc, o + u, BN, pairs)  # noqa: F821
+                u += 64
+            if u + 32 <= nfull:
+                _dot32(qb, qo, nr, kraw, rowb, u, k_sd, D, acc, o + u, BN, pairs)  # noqa: F821
+                u += 32
+            if u < nfull:
+                _dot16(qb, qo, nr, kraw, rowb, u, k_sd, D, acc, o + u, BN, pairs)  # noqa: F821
+            g += nr
+        jj0 = nfull
+        off = (off + nfull) % seg
     while jj0 < nt:
         run = min(seg - off, nt - jj0)
         n8 = run - run % 8
@@ -307,13 +341,13 @@ def _py_scores_direct(qb, r0, G, D, kraw, kfmt, rowb, j0, nt, seg, k_sd, acc, ao
             o = ao + g * BN + jj0
             u = 0
             while u + 32 <= n8:
-                _dot32(qb, qo, nr, kraw, base + u, k_sd, D, acc, o + u, BN, pairs)  # noqa: F821
+                _dot32(qb, qo, nr, kraw, rowb, jj0 + u, k_sd, D, acc, o + u, BN, pairs)  # noqa: F821
                 u += 32
             if u + 16 <= n8:
-                _dot16(qb, qo, nr, kraw, base + u, k_sd, D, acc, o + u, BN, pairs)  # noqa: F821
+                _dot16(qb, qo, nr, kraw, rowb, jj0 + u, k_sd, D, acc, o + u, BN, pairs)  # noqa: F821
                 u += 16
             if u < n8:
-                _dot8(qb, qo, nr, kraw, base + u, k_sd, D, acc, o + u, BN, pairs)  # noqa: F821
+                _dot8(qb, qo, nr, kraw, rowb, jj0 + u, k_sd, D, acc, o + u, BN, pairs)  # noqa: F821
             g += nr
         for g in range(G):
             qo = (r0 + g) * D
@@ -342,10 +376,16 @@ def _py_visible(kp, kpo, qp, vis, BNe):  # type: ignore[no-untyped-def]  # pragm
     return cnt
 
 
-def _py_sees(kp, kpo, qp, n_vis, kmin, vis, BNe):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
-    """Whether the query at position ``qp`` (``n_vis`` visible keys in all) sees a key of this tile (``vis``
-    filled: :func:`_py_visible`); after pass 1, which counted ``n_vis``."""
-    return qp >= kmin and n_vis > 0 and _visible(kp, kpo, qp, vis, BNe) > 0  # noqa: F821
+def _py_kmax(kp, kpo, BNe):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+    """The tile's largest key position (-1: no live key). A query at ``qp`` sees the keys a query at
+    ``min(qp, kmax)`` sees, so every query past the tile (all of them but the causal diagonal's, at prefill)
+    shares one visibility mask: the passes compute ``vis`` again only when ``min(qp, kmax)`` changes."""
+    mx = np.int64(-1)
+    ko = np.uint64(kpo)
+    for jj in range(np.uint64(BNe)):
+        k = kp[ko + jj]
+        mx = k if k > mx else mx
+    return mx
 
 
 def _py_masked_scores(qb, i, G, D, kt, kto, vis, buf, bo, scale, BN, BNe, direct, kraw, kfmt, rowb, j0, nt, seg,
@@ -372,11 +412,17 @@ def _py_pass1(qb, n_need, qp_n, G, D, kt, kto, kp, kpo, kmin, nt, vis, acc, sc, 
     BNe = _width(nt, BN)  # noqa: F821
     GB = G * BN
     buf = sc if cached else acc
+    kmax = _kmax(kp, kpo, BNe)  # noqa: F821
+    vq = np.int64(-2)  # vis holds the mask of a query at position vq (cnt keys)
+    cnt = 0
     for i in range(n_need):
         qp = qp_n[i]
         if qp < kmin:
             continue  # no key of the tile is visible to this query
-        cnt = _visible(kp, kpo, qp, vis, BNe)  # noqa: F821
+        qv = qp if qp < kmax else kmax
+        if qv != vq:
+            cnt = _visible(kp, kpo, qv, vis, BNe)  # noqa: F821
+            vq = qv
         if cnt == 0:
             continue
         nvis[i] += cnt
@@ -402,13 +448,37 @@ def _py_pass1b(qb, n_need, qp_n, nvis, m, G, D, kt, kto, kp, kpo, kmin, nt, vis,
     BNe = _width(nt, BN)  # noqa: F821
     GB = G * BN
     buf = sc if cached else acc
+    kmax = _kmax(kp, kpo, BNe)  # noqa: F821
+    vq = np.int64(-2)  # vis holds the mask of a query at position vq (as in pass 1)
     for i in range(n_need):
-        if not _sees(kp, kpo, qp_n[i], nvis[i], kmin, vis, BNe):  # noqa: F821
-            continue
+        qp = qp_n[i]
+        if qp < kmin or nvis[i] == 0:
+            continue  # the query sees no key of the tile (or none at all)
+        qv = qp if qp < kmax else kmax
+        if qv != vq:
+            _visible(kp, kpo, qv, vis, BNe)  # noqa: F821
+            vq = qv
         bo = sc_off + i * GB if cached else 0
         if not cached:
             _masked_scores(qb, i, G, D, kt, kto, vis, buf, bo, scale, BN, BNe, False, kraw, kfmt, rowb, j0, nt,  # noqa: F821
                            seg, k_sd)
+        elif W % 16 == 0:  # 16 keys per call (the same bits as the loop below)
+            for g in range(G):
+                mg = m[i * G + g]
+                lo = (i * G + g) * W
+                for c in range(0, BNe, W):
+                    w = min(W, BNe - c)
+                    ab = bo + g * BN + c
+                    u = 0
+                    while u + 16 <= w:
+                        _exp_acc16(buf, ab + u, vis, c + u, ll, lo + u, mg)  # noqa: F821
+                        u += 16
+                    for t in range(u, w):
+                        e = _fexp(buf[ab + t] - mg)  # noqa: F821
+                        e = e if vis[c + t] else _F0
+                        buf[ab + t] = e
+                        ll[lo + t] += e
+            continue
         for g in range(G):
             mg = m[i * G + g]
             lo = np.uint64((i * G + g) * W)
@@ -434,9 +504,16 @@ def _py_pass2(qb, n_need, qp_n, fl_n, w_n, thr_n, nvis, m, invl, G, D, kt, kto, 
     n = np.uint64(BNe)
     ou = np.uint64(ao)
     buf = sc if cached else acc
+    kmax = _kmax(kp, kpo, BNe)  # noqa: F821
+    vq = np.int64(-2)  # vis holds the mask of a query at position vq (as in pass 1)
     for i in range(n_need):
-        if not _sees(kp, kpo, qp_n[i], nvis[i], kmin, vis, BNe):  # noqa: F821
+        qp = qp_n[i]
+        if qp < kmin or nvis[i] == 0:
             continue
+        qv = qp if qp < kmax else kmax
+        if qv != vq:
+            _visible(kp, kpo, qv, vis, BNe)  # noqa: F821
+            vq = qv
         for jj in range(n):
             P[jj] = _F0
         bo = sc_off + i * GB if cached else 0
@@ -474,10 +551,11 @@ def _py_pass2(qb, n_need, qp_n, fl_n, w_n, thr_n, nvis, m, invl, G, D, kt, kto, 
                 a_low[ou + jj] += wi if (vis[jj] & (P[jj] < th)) else _F0
 
 
-def _py_kernel(qf, kraw, kfmt, k_snb, k_sbs, k_sh, k_sd, k_seg, k_sseg, bt, lens, qpos, plen, kpos, kp_rs, bs, Hkv,
+def _py_kernel(qf, qtok, q_bits, kraw, kfmt, k_snb, k_sbs, k_sh, k_sd, k_seg, k_sseg, bt, lens, qpos, plen, kpos, kp_rs, bs, Hkv,
                out_sum, out_last, out_win, out_low, o_rs, do_sum, do_last, do_win, do_low,
                scale, obs_window, decay, thr_g, BN, max_tiles, max_scores):  # type: ignore[no-untyped-def]  # pragma: no cover
-    B, Q, Hq, D = qf.shape
+    T, Hq, D = qf.shape  # query rows [T, H_q, D]: fp32, or bf16 bits (``q_bits``) as uint16
+    B, Q = qtok.shape  # qf's row of (request b, query q); read only where qpos[b, q] >= 0
     G = Hq // Hkv
     W = min(BN, LANES)
     need_all = do_sum or do_low
@@ -572,11 +650,17 @@ def _py_kernel(qf, kraw, kfmt, k_snb, k_sbs, k_sh, k_sd, k_seg, k_sseg, bt, lens
             for q0 in range(0, max(n_need, 1), QB):
                 nq = min(QB, n_need - q0)  # 0: no query (attn_last only: the fold below writes its zeros)
                 RS = nq * G * BN  # one tile's cached scores
-                for i in range(nq):  # query rows of this block: qb[(i*G + g)*D + d]
+                for i in range(nq):  # query rows of this block: qb[(i*G + g)*D + d] (bf16 bits widened: exact)
+                    tq = qtok[b, qidx[q0 + i]]
                     for g in range(G):
                         rb = (i * G + g) * D
-                        for d in range(D):
-                            qb[rb + d] = qf[b, qidx[q0 + i], h * G + g, d]
+                        row = qf[tq, h * G + g]
+                        if q_bits:
+                            for d in range(D):
+                                qb[rb + d] = _as_f32(np.uint32(np.uint32(row[d]) << np.uint32(16)))  # noqa: F821
+                        else:
+                            for d in range(D):
+                                qb[rb + d] = row[d]
                 qp_b = qp_n[q0:q0 + nq]
                 nv_b = nvis[q0:q0 + nq]
                 # ---- pass 1 (chunks of CT tiles): scores and row maxima
@@ -752,39 +836,45 @@ def _load() -> Any:
 
             return types.void(kraw, rowb, jb, d0, ktu, bn), codegen
 
-        def dot(nv: int) -> Any:
-            """Intrinsic for ``nv * 8`` consecutive keys and ``nr`` (1 to ``DOT_ROWS``) query rows: ``out[o +
-            r*ostr + u] = sum_d qb[qo + r*D + d] * key(kraw[base + d*k_sd + u])`` (u < 8 nv, r < nr; keys' bf16
+        def dot(nv: int, lanes: int) -> Any:
+            """Intrinsic for ``nv`` groups of ``lanes`` keys (group ``v``: keys ``jj + v*lanes ...``, contiguous along
+            the slot from ``base_v = rowb[jj + v*lanes]``, so the groups may lie in different segments or blocks) and
+            ``nr`` (1 to ``DOT_ROWS``) query rows: ``out[o + r*ostr + v*lanes + u] = sum_d qb[qo + r*D + d] *
+            key(kraw[base_v + d*k_sd + u])`` (u < lanes, v < nv, r < nr; keys' bf16
             bits widened into the high half of the fp32 bits), each sum fp32 from 0 over d in order (one fused
-            multiply-add per term, ``llvm.fma.v8f32``: the scalar paths' bits). One loop per row count (a
-            switch on ``nr``; any other ``nr`` writes nothing): ``nr * nv`` vector accumulators, one vector load
-            per 8 keys and d shared by the rows, one store each at the end. ``pairs`` (32-bit words only:
-            ``KF_PAIRS``): ``kraw[base + p*k_sd + u]`` holds dims 2p (low half) and 2p + 1 (high half) of key
-            u; one load per 8 keys and pair, the two dims' terms added in order."""
+            multiply-add per term, ``llvm.fma.v{lanes}f32``: the scalar paths' bits). One loop per row count (a
+            switch on ``nr``; any other ``nr`` writes nothing): ``nr * nv`` vector accumulators of ``lanes`` fp32 (8: 256-bit, 16: 512-bit; the
+            same per-lane sums either way), one vector load per ``lanes`` keys and d shared by the rows, one store each at the end. ``pairs`` (32-bit words only:
+            ``KF_PAIRS``): ``kraw[base_v + p*k_sd + u]`` holds dims 2p (low half) and 2p + 1 (high half) of key
+            u; one load per ``lanes`` keys and pair, the two dims' terms added in order."""
 
             @intrinsic
-            def dot_n(typingctx, qb, qo, nr, kraw, base, k_sd, D, out, o, ostr, pairs):  # type: ignore[no-untyped-def]
+            def dot_n(typingctx, qb, qo, nr, kraw, rowb, jj, k_sd, D, out, o, ostr, pairs):  # type: ignore[no-untyped-def]
                 if not (isinstance(kraw, types.Array) and kraw.dtype in (types.uint32, types.uint16)
                         and isinstance(qb, types.Array) and qb.dtype == types.float32
+                        and isinstance(rowb, types.Array) and rowb.dtype == types.int64
                         and isinstance(out, types.Array) and out.dtype == types.float32
                         and isinstance(pairs, types.Boolean)):
                     return None
 
                 def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-                    qty, kty, oty = signature.args[0], signature.args[3], signature.args[7]
+                    qty, kty, rty, oty = (signature.args[n] for n in (0, 3, 4, 8))
                     q_a = context.make_array(qty)(context, builder, args[0])
                     k_a = context.make_array(kty)(context, builder, args[3])
-                    o_a = context.make_array(oty)(context, builder, args[7])
+                    r_a = context.make_array(rty)(context, builder, args[4])
+                    o_a = context.make_array(oty)(context, builder, args[8])
                     i64 = ir.IntType(64)
-                    qo_, nr_, base_, ksd_, D_, o_, os_ = (
-                        context.cast(builder, args[n], signature.args[n], types.int64) for n in (1, 2, 4, 5, 6, 8, 9))
+                    qo_, nr_, jj_, ksd_, D_, o_, os_ = (
+                        context.cast(builder, args[n], signature.args[n], types.int64) for n in (1, 2, 5, 6, 7, 9, 10))
+                    bases = [builder.load(builder.gep(r_a.data, [builder.add(jj_, ir.Constant(i64, lanes * v))]))
+                             for v in range(nv)]  # of each vector's first key (dim 0)
                     wide = kty.dtype == types.uint16
                     elt = ir.IntType(16 if wide else 32)
-                    v32 = ir.VectorType(ir.IntType(32), 8)
-                    vf = ir.VectorType(ir.FloatType(), 8)
-                    zero = ir.Constant(vf, [0.0] * 8)
-                    vfma = builder.module.globals.get("llvm.fma.v8f32") or ir.Function(
-                        builder.module, ir.FunctionType(vf, [vf, vf, vf]), name="llvm.fma.v8f32")
+                    v32 = ir.VectorType(ir.IntType(32), lanes)
+                    vf = ir.VectorType(ir.FloatType(), lanes)
+                    zero = ir.Constant(vf, [0.0] * lanes)
+                    vfma = builder.module.globals.get(f"llvm.fma.v{lanes}f32") or ir.Function(
+                        builder.module, ir.FunctionType(vf, [vf, vf, vf]), name=f"llvm.fma.v{lanes}f32")
                     exit_ = builder.append_basic_block("dot.exit")
 
                     def rows_loop(paired: bool) -> None:
@@ -802,17 +892,17 @@ def _load() -> Any:
                             builder.position_at_end(loop)
                             d = builder.phi(i64)
                             accs = [builder.phi(vf) for _ in range(nrows * nv)]
-                            row = builder.add(base_, builder.mul(d, ksd_))
+                            dk = builder.mul(d, ksd_)
                             kvs = []  # per dim of this trip (one, or the pair's two), the nv key vectors
                             for v in range(nv):
-                                p = builder.gep(k_a.data, [builder.add(row, ir.Constant(i64, 8 * v))])
-                                kv = builder.load(builder.bitcast(p, ir.VectorType(elt, 8).as_pointer()),
+                                p = builder.gep(k_a.data, [builder.add(bases[v], dk)])
+                                kv = builder.load(builder.bitcast(p, ir.VectorType(elt, lanes).as_pointer()),
                                                   align=elt.width // 8)
                                 if wide:
-                                    kv = builder.shl(builder.zext(kv, v32), ir.Constant(v32, [16] * 8))
+                                    kv = builder.shl(builder.zext(kv, v32), ir.Constant(v32, [16] * lanes))
                                 if paired:
-                                    kvs.append((builder.bitcast(builder.shl(kv, ir.Constant(v32, [16] * 8)), vf),
-                                                builder.bitcast(builder.and_(kv, ir.Constant(v32, [-65536] * 8)),
+                                    kvs.append((builder.bitcast(builder.shl(kv, ir.Constant(v32, [16] * lanes)), vf),
+                                                builder.bitcast(builder.and_(kv, ir.Constant(v32, [-65536] * lanes)),
                                                                 vf)))
                                 else:
                                     kvs.append((builder.bitcast(kv, vf),))
@@ -826,7 +916,7 @@ def _load() -> Any:
                                     qv = builder.shuffle_vector(
                                         builder.insert_element(ir.Constant(vf, ir.Undefined), qd,
                                                                ir.Constant(ir.IntType(32), 0)),
-                                        ir.Constant(vf, ir.Undefined), ir.Constant(v32, [0] * 8))
+                                        ir.Constant(vf, ir.Undefined), ir.Constant(v32, [0] * lanes))
                                     for v in range(nv):
                                         nxt[r * nv + v] = builder.call(vfma, [qv, kvs[v][k], nxt[r * nv + v]])
                             d1 = builder.add(d, ir.Constant(i64, 1))
@@ -844,7 +934,7 @@ def _load() -> Any:
                             for r in range(nrows):
                                 for v in range(nv):
                                     off = builder.add(builder.add(o_, builder.mul(os_, ir.Constant(i64, r))),
-                                                      ir.Constant(i64, 8 * v))
+                                                      ir.Constant(i64, lanes * v))
                                     dst = builder.gep(o_a.data, [off])
                                     builder.store(res[r * nv + v], builder.bitcast(dst, vf.as_pointer()), align=4)
                             builder.branch(exit_)
@@ -854,7 +944,7 @@ def _load() -> Any:
                     else:
                         b_pairs = builder.append_basic_block("dot.pairs")
                         b_dims = builder.append_basic_block("dot.dims")
-                        builder.cbranch(context.cast(builder, args[10], signature.args[10], types.boolean),
+                        builder.cbranch(context.cast(builder, args[11], signature.args[11], types.boolean),
                                         b_pairs, b_dims)
                         builder.position_at_end(b_pairs)
                         rows_loop(True)
@@ -863,17 +953,71 @@ def _load() -> Any:
                     builder.position_at_end(exit_)
                     return context.get_dummy_value()
 
-                return types.void(qb, qo, nr, kraw, base, k_sd, D, out, o, ostr, pairs), codegen
+                return types.void(qb, qo, nr, kraw, rowb, jj, k_sd, D, out, o, ostr, pairs), codegen
 
             return dot_n
 
+        @intrinsic
+        def exp_acc16(typingctx, buf, ab, vis, vo, ll, lo, mg):  # type: ignore[no-untyped-def]
+            """16 keys of the sum pass at once (512-bit vectors; two 256-bit halves without AVX-512):
+            ``e = exp(buf[ab + u] - mg)`` (:func:`_py_fexp`'s operations in its order: the same bits), 0 where
+            ``vis[vo + u]`` is false; ``buf[ab + u] = e`` and ``ll[lo + u] += e`` for u < 16."""
+            if not (isinstance(buf, types.Array) and buf.dtype == types.float32
+                    and isinstance(ll, types.Array) and ll.dtype == types.float32
+                    and isinstance(vis, types.Array) and vis.dtype == types.boolean):
+                return None
+
+            def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+                b_a = context.make_array(signature.args[0])(context, builder, args[0])
+                v_a = context.make_array(signature.args[2])(context, builder, args[2])
+                l_a = context.make_array(signature.args[4])(context, builder, args[4])
+                ab_, vo_, lo_ = (context.cast(builder, args[n], signature.args[n], types.int64) for n in (1, 3, 5))
+                f32, i32 = ir.FloatType(), ir.IntType(32)
+                vf, vi = ir.VectorType(f32, 16), ir.VectorType(i32, 16)
+
+                def splat(x: float) -> Any:
+                    return ir.Constant(vf, [float(np.float32(x))] * 16)
+
+                def vptr(arr: Any, off: Any, ty: Any) -> Any:
+                    return builder.bitcast(builder.gep(arr.data, [off]), ty.as_pointer())
+
+                mgv = builder.insert_element(ir.Constant(vf, ir.Undefined), args[6], ir.Constant(i32, 0))
+                mgv = builder.shuffle_vector(mgv, ir.Constant(vf, ir.Undefined), ir.Constant(vi, [0] * 16))
+                p_buf = vptr(b_a, ab_, vf)
+                x = builder.fsub(builder.load(p_buf, align=4), mgv)
+                lo_c, zero = splat(_EXP_LO), splat(0.0)
+                x = builder.select(builder.fcmp_ordered(">", x, lo_c), x, lo_c)
+                x = builder.select(builder.fcmp_ordered("<", x, zero), x, zero)
+                vfloor = builder.module.globals.get("llvm.floor.v16f32") or ir.Function(
+                    builder.module, ir.FunctionType(vf, [vf]), name="llvm.floor.v16f32")
+                fx = builder.call(vfloor, [builder.fadd(builder.fmul(x, splat(_LOG2E)), splat(_HALF))])
+                z = builder.fsub(x, builder.fmul(fx, splat(_LN2_HI)))
+                z = builder.fsub(z, builder.fmul(fx, splat(_LN2_LO)))
+                y = builder.fadd(builder.fmul(splat(_P0), z), splat(_P1))
+                for c in (_P2, _P3, _P4, _P5):
+                    y = builder.fadd(builder.fmul(y, z), splat(c))
+                y = builder.fadd(builder.fadd(builder.fmul(y, builder.fmul(z, z)), z), splat(1.0))
+                n = builder.add(builder.fptosi(fx, vi), ir.Constant(vi, [127] * 16))
+                e = builder.fmul(y, builder.bitcast(builder.shl(n, ir.Constant(vi, [23] * 16)), vf))
+                vb = builder.load(vptr(v_a, vo_, ir.VectorType(ir.IntType(8), 16)), align=1)
+                e = builder.select(builder.icmp_unsigned("!=", vb, ir.Constant(ir.VectorType(ir.IntType(8), 16),
+                                                                                [0] * 16)), e, zero)
+                builder.store(e, p_buf, align=4)
+                p_ll = vptr(l_a, lo_, vf)
+                builder.store(builder.fadd(builder.load(p_ll, align=4), e), p_ll, align=4)
+                return context.get_dummy_value()
+
+            return types.void(buf, ab, vis, vo, ll, lo, mg), codegen
+
         g = globals()
+        g["_exp_acc16"] = exp_acc16
         g["_as_f32"] = as_f32
         g["_fma32"] = fma32
         g["_tr8"] = tr8
-        g["_dot8"] = dot(1)
-        g["_dot16"] = dot(2)
-        g["_dot32"] = dot(4)
+        g["_dot8"] = dot(1, 8)
+        g["_dot16"] = dot(1, 16)  # one 512-bit vector per 16 keys (two 256-bit halves on a CPU without AVX-512)
+        g["_dot32"] = dot(2, 16)
+        g["_dot64"] = dot(4, 16)
         opts = {"cache": True, "nogil": True, "fastmath": False}
         g["_fexp"] = numba.njit(inline="always", **opts)(_py_fexp)
         g["_kbits"] = numba.njit(inline="always", **opts)(_py_kbits)
@@ -882,7 +1026,7 @@ def _load() -> Any:
         g["_scores_direct"] = numba.njit(**opts)(_py_scores_direct)
         g["_visible"] = numba.njit(inline="always", **opts)(_py_visible)
         g["_width"] = numba.njit(inline="always", **opts)(_py_width)
-        g["_sees"] = numba.njit(inline="always", **opts)(_py_sees)
+        g["_kmax"] = numba.njit(inline="always", **opts)(_py_kmax)
         g["_masked_scores"] = numba.njit(inline="always", **opts)(_py_masked_scores)
         g["_pass1"] = numba.njit(**opts)(_py_pass1)
         g["_pass1b"] = numba.njit(**opts)(_py_pass1b)
@@ -1036,10 +1180,16 @@ def prepare_layer(key_cache: torch.Tensor | PairedKeys, key_positions: torch.Ten
                          tuple(outs), tuple(n in stats for n in STAT_NAMES), rs)
 
 
+Step = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]  # see prepare_step
+
+
 def prepare_step(block_tables: torch.Tensor, cache_lens: torch.Tensor, query_pos: torch.Tensor,
-                 prompt_lens: torch.Tensor | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+                 prompt_lens: torch.Tensor | None, token_index: torch.Tensor | None = None) -> Step:
     """The step's metadata as the kernel reads it (the same for every layer of a step):
-    ``(block_tables int32 [B, max_blocks], cache_lens int32 [B], query_pos int64 [B, Q], prompt_lens int64 [B])``."""
+    ``(block_tables int32 [B, max_blocks], cache_lens int32 [B], query_pos int64 [B, Q], prompt_lens int64 [B],
+    token_index int64 [B, Q] or None)``. ``token_index`` (-1 = padding): the row of (request ``b``, query ``q``) in
+    the flat query rows :func:`run_prepared` then takes (``[T, H_q, D]``, e.g. vLLM's query tensor of the step, read
+    in place: no padded ``[B, Q, H_q, D]`` copy); None: :func:`run_prepared` takes ``query [B, Q, H_q, D]``."""
     bt = np.ascontiguousarray(block_tables.numpy(), dtype=np.int32)
     lens = np.ascontiguousarray(cache_lens.numpy(), dtype=np.int32)
     qpos = np.ascontiguousarray(query_pos.numpy(), dtype=np.int64)
@@ -1047,14 +1197,44 @@ def prepare_step(block_tables: torch.Tensor, cache_lens: torch.Tensor, query_pos
         plen = qpos.max(1) + 1 if qpos.size else np.zeros(qpos.shape[0], np.int64)
     else:
         plen = np.ascontiguousarray(prompt_lens.numpy(), dtype=np.int64)
-    return bt, lens, qpos, plen
+    tok = None
+    if token_index is not None:
+        if tuple(token_index.shape) != qpos.shape:
+            raise ValueError(f"token_index {tuple(token_index.shape)}; expected query_pos's shape {qpos.shape}")
+        tok = np.ascontiguousarray(token_index.numpy(), dtype=np.int64)
+    return bt, lens, qpos, plen, tok
 
 
-def run_prepared(layer: PreparedLayer, step: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
-                 query: torch.Tensor, scale: float | None = None, obs_window: int = 32, history_window: int = 64,
-                 low_attn_threshold: float = 1.0, block_n: int | None = None) -> None:
-    """:func:`update_attn_stats_cpu` on a :func:`prepare_layer` / :func:`prepare_step` pair: ``query [B, Q, H_q, D]``."""
-    B, Q, Hq, D = query.shape
+def _query_rows(rows: torch.Tensor) -> tuple[np.ndarray, bool]:
+    """``rows [T, H_q, D]`` as the kernel reads them: ``(C-contiguous array, bf16 bits)``: bf16 as its uint16 bits
+    (widened exactly in the kernel; no fp32 copy), fp32 as it is, another dtype converted to fp32."""
+    r = rows.detach()
+    if r.dtype == torch.bfloat16:
+        return r.contiguous().view(torch.int16).numpy().view(np.uint16), True
+    return r.to(torch.float32).contiguous().numpy(), False
+
+
+def run_prepared(layer: PreparedLayer, step: Step, query: torch.Tensor, scale: float | None = None,
+                 obs_window: int = 32, history_window: int = 64, low_attn_threshold: float = 1.0,
+                 block_n: int | None = None) -> None:
+    """:func:`update_attn_stats_cpu` on a :func:`prepare_layer` / :func:`prepare_step` pair: ``query [B, Q, H_q, D]``,
+    or, with the step's ``token_index``, the flat query rows ``[T, H_q, D]`` it indexes (only the rows of valid
+    queries are read)."""
+    bt, lens, qpos, plen, tok = step
+    if tok is None:
+        if query.dim() != 4:
+            raise ValueError(f"query {tuple(query.shape)}; expected [B, Q, H_q, D] (or rows [T, H_q, D] with a "
+                             "token_index in prepare_step)")
+        B, Q, Hq, D = query.shape
+        rows = query.reshape(B * Q, Hq, D)
+        tok = np.arange(B * Q, dtype=np.int64).reshape(B, Q)
+    else:
+        if query.dim() != 3:
+            raise ValueError(f"query {tuple(query.shape)}; expected rows [T, H_q, D] (the step has a token_index)")
+        (B, Q), (T, Hq, D) = tok.shape, query.shape
+        if tok.size and int(tok.max()) >= T:
+            raise ValueError(f"token_index reaches row {int(tok.max())} of {T} query rows")
+        rows = query
     Hkv = layer.Hkv
     if D != layer.D or Hq % Hkv:
         raise ValueError(f"query {tuple(query.shape)} does not match the key cache (H_kv {Hkv}, D {layer.D})")
@@ -1062,19 +1242,19 @@ def run_prepared(layer: PreparedLayer, step: tuple[np.ndarray, np.ndarray, np.nd
         raise ValueError("update_attn_stats_cpu takes CPU tensors (the Triton kernel runs on GPUs)")
     if B == 0 or Q == 0:
         return
-    bt, lens, qpos, plen = step
     G = Hq // Hkv
     BN = _tile(D, block_n)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    qf = query.detach().to(torch.float32).contiguous().numpy()
+    qf, q_bits = _query_rows(rows)
     s_nb, s_bs, s_h, s_d = layer.kstrides
     o_sum, o_last, o_win, o_low = layer.outs
     f_sum, f_last, f_win, f_low = layer.do
     decay = np.float32(1.0 - 1.0 / int(history_window))
     thr_g = np.float32(float(low_attn_threshold) * G)  # the collector's threshold * group_size, in fp32
-    _load()(qf, layer.kraw, layer.kfmt, s_nb, s_bs, s_h, s_d, *layer.kseg, bt, lens, qpos, plen, layer.kpos, layer.kp_rs, layer.bs,
-            Hkv, o_sum, o_last, o_win, o_low, layer.rs, f_sum, f_last, f_win, f_low, np.float32(scale), int(obs_window),
-            decay, thr_g, BN, max(1, SCRATCH_BYTES // (D * BN * 4 + BN * 16)), SCORE_BYTES // 4)
+    _load()(qf, tok, q_bits, layer.kraw, layer.kfmt, s_nb, s_bs, s_h, s_d, *layer.kseg, bt, lens, qpos, plen, layer.kpos,
+            layer.kp_rs, layer.bs, Hkv, o_sum, o_last, o_win, o_low, layer.rs, f_sum, f_last, f_win, f_low,
+            np.float32(scale), int(obs_window), decay, thr_g, BN, max(1, SCRATCH_BYTES // (D * BN * 4 + BN * 16)),
+            SCORE_BYTES // 4)
 
 
 def update_attn_stats_cpu(

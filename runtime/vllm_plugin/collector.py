@@ -41,7 +41,8 @@ class StepContext:
     (``md`` covers exactly those, in the same order; None when no attention statistic is read).
     ``query_write``: where their queries go in the query window store (None: no query statistic read).
     ``gather_index`` / ``pad_mask`` (derived): the rows the wrapper gathers from the flat query tensor and,
-    when a row is padded, the mask zeroing the padding (computed once per step for all layers).
+    when a row is padded, the mask zeroing the padding (computed once per step for all layers; the numba
+    statistics kernel takes ``tok_index`` instead and reads the rows in place).
     """
 
     req_ids: list[str]
@@ -97,10 +98,14 @@ class VTokenAttentionImpl:
         step = self._runner._vt_step
         col = self._runner._vt_collector
         if step is not None and attn_metadata is not None and col is not None and step.collect_attn:
-            q = query[step.gather_index]  # [T, H_q, D] -> [B, Q, H_q, D]
-            if step.pad_mask is not None:
-                q = torch.where(step.pad_mask, q, torch.zeros((), dtype=q.dtype))
-            col.attention(self._layer, q, step.md, step.query_pos, step.prompt_len, float(self._inner.scale))
+            if col.backend == "numba":  # reads each (request, query)'s row of the step's queries in place
+                col.attention(self._layer, query, step.md, step.query_pos, step.prompt_len, float(self._inner.scale),
+                              token_index=step.tok_index)
+            else:
+                q = query[step.gather_index]  # [T, H_q, D] -> [B, Q, H_q, D]
+                if step.pad_mask is not None:
+                    q = torch.where(step.pad_mask, q, torch.zeros((), dtype=q.dtype))
+                col.attention(self._layer, q, step.md, step.query_pos, step.prompt_len, float(self._inner.scale))
         if step is not None and attn_metadata is not None and step.query_write is not None:
             self._runner._vt_queries.write(self._layer, query, step.query_write)
         return out

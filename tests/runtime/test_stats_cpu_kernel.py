@@ -23,6 +23,7 @@ from vtoken_runtime.cache import VTokenCache
 from vtoken_runtime.kernels.attn_stats_ref import apply_step_stats, step_stats
 from vtoken_runtime.stats import StatsCollector
 from vtoken_runtime.stats import cpu_kernel as ck
+from vtoken_runtime.stats.collector import gather_query_rows
 from vtoken_runtime.stats.cpu_kernel import STAT_NAMES, update_attn_stats_cpu
 from vtoken_sdk import StatsConfig
 
@@ -321,8 +322,9 @@ def test_dim_major_keys_give_the_same_bits(dtype: torch.dtype, block_n: int | No
 def test_dim_major_in_place_scores_give_the_same_bits(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
                                                       bs: int) -> None:
     """vLLM's CPU region layout (K dim-major, then V, per (block, head)) with a block size that is a multiple of 8
-    and cached scores: pass 1 reads the keys in place (32 / 16 / 8 keys per call; a request's partial last block 8
-    at a time, reading past its length inside the block; tiles cutting blocks key by key) and gives exactly the
+    and cached scores: pass 1 reads the keys in place (whole 16-key groups 64 / 32 / 16 per call, across blocks; the
+    rest 32 / 16 / 8 keys per call; a request's partial last block 8 at a time, reading past its length inside the
+    block; tiles cutting blocks key by key) and gives exactly the
     bits of the gathered tiles: of the unit-stride layout and of the same memory without the score cache (tile
     copies; bs 12: always). Decode and short steps, SmolLM2's heads (3 KV heads, GQA 3, D 64), four requests;
     groups of 1, 2 and 5 query heads (a dot-product call takes up to ``DOT_ROWS`` = 4 rows: 5 = 4 + 1)."""
@@ -362,6 +364,63 @@ def test_dim_major_in_place_scores_give_the_same_bits(monkeypatch: pytest.Monkey
             assert torch.equal(blocks[n], want[n]), (n, Q, block_n, G)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_query_rows_by_token_index_give_the_same_bits(dtype: torch.dtype) -> None:
+    """The flat query rows of a step (``[T, H_q, D]``, a strided view like vLLM's query slice of the fused QKV
+    output, rows in another order, rows no request reads) indexed by ``token_index [B, Q]`` (-1 = padding) give
+    exactly the bits of the gathered ``[B, Q, H_q, D]`` query, whose padding rows hold garbage here: only valid
+    queries are read. Through the kernel's ``prepare_step(token_index=...)`` and through ``StatsCollector``
+    (the numba backend reads the rows in place, the torch backend gathers them and zeroes the padding)."""
+    B, Q, G, Hkv, D = 4, 5, 3, 3, 64
+    query, key_cache, bt, lens, qpos, kpos, S = _case(21, B, Q, G, Hkv, D, 32, True, dtype, True)
+    assert bool((qpos < 0).any()) and bool((qpos >= 0).any())
+    valid = (qpos >= 0).nonzero().tolist()
+    T = len(valid) + 3
+    order = np.random.default_rng(5).permutation(T)[: len(valid)]  # row of each valid (b, q)
+    fused = torch.randn(T, (G + 2) * Hkv * D).to(dtype)  # [q | k | v] per token, as vLLM's QKV projection
+    rows = fused[:, : G * Hkv * D].view(T, G * Hkv, D)
+    assert not rows.is_contiguous()
+    tok = torch.full((B, Q), -1, dtype=torch.int64)
+    for (b, q), t in zip(valid, order, strict=True):
+        tok[b, q] = int(t)
+        query[b, q] = rows[int(t)]
+    query[qpos < 0] = float("nan")  # the padding's rows are never read
+    base = {n: torch.rand(Hkv, S, generator=torch.Generator().manual_seed(4)) for n in STAT_NAMES}
+    want = {n: v.clone() for n, v in base.items()}
+    got = {n: v.clone() for n, v in base.items()}
+    update_attn_stats_cpu(query, key_cache, bt, lens, qpos, kpos, want)
+    ck.run_prepared(ck.prepare_layer(key_cache, kpos, got), ck.prepare_step(bt, lens, qpos, None, tok), rows)
+    for n in STAT_NAMES:
+        assert torch.equal(got[n], want[n]), n
+    with pytest.raises(ValueError, match="rows"):
+        ck.run_prepared(ck.prepare_layer(key_cache, kpos, got), ck.prepare_step(bt, lens, qpos, None, tok), query)
+    with pytest.raises(ValueError, match="token_index"):
+        ck.prepare_step(bt, lens, qpos, None, tok[:, :2])
+
+    cache = VTokenCache(1, Hkv, D, 4, num_blocks=12, granularity="head", dtype=dtype, stat_names=STAT_NAMES,
+                        async_copy=False)
+    reqs = ["a", "b"]
+    for r in reqs:
+        cache.add_request(r)
+        cache.reserve(r, 7)
+        cache.write_kv(0, r, torch.randn(7, Hkv, D).to(dtype), torch.randn(7, Hkv, D).to(dtype))
+    md = cache.attention_metadata(reqs)
+    qp = torch.tensor([[4, 5, 6], [6, -1, -1]])
+    ti = torch.tensor([[2, 0, 3], [1, -1, -1]])
+    flat = torch.randn(4, G * Hkv, D).to(dtype)
+    plen = torch.tensor([7, 7])
+    for backend in ("numba", "torch"):
+        runs = []
+        for rows_in, index in ((flat, ti), (gather_query_rows(flat, ti), None)):
+            for n in STAT_NAMES:
+                cache.stats_tensor(n)[0].zero_()
+            col = StatsCollector(cache, STAT_NAMES, StatsConfig(), G, backend=backend)
+            col.attention(0, rows_in, md, qp, plen, token_index=index)
+            runs.append({n: cache.stats_tensor(n)[0].clone() for n in STAT_NAMES})
+        for n in STAT_NAMES:
+            assert torch.equal(runs[0][n], runs[1][n]), (backend, n)
+
+
 def _paired(key_cache: torch.Tensor, segment: int | None) -> ck.PairedKeys:
     """``key_cache [NB, bs, H, D]`` bf16 as :class:`PairedKeys` in a fresh buffer: with a ``segment`` T, vLLM's
     CPU ``amx`` regions (per (block, head): K words ``(t // T) * T * D / 2 + p * T + t % T`` holding dims
@@ -385,7 +444,8 @@ def _paired(key_cache: torch.Tensor, segment: int | None) -> ck.PairedKeys:
 def test_paired_keys_give_the_same_bits(monkeypatch: pytest.MonkeyPatch, bs: int, segment: int) -> None:
     """bf16 keys stored as pairs of dims per 32-bit word in segments of a block (vLLM's CPU ``amx`` layout:
     ``PairedKeys``, segments of 16 slots) give exactly the bits of the same keys in a plain layout: read in place
-    (pass 1's paired vector loads: 32 / 16 / 8 keys, a partial last block, tiles cutting segments), through tile
+    (pass 1's paired vector loads: 64 / 32 / 16 keys from up to four 16-slot segments per call, then 16 / 8 keys
+    inside one segment, a partial last block, tiles cutting segments), through tile
     copies (no score cache; segment 12: always) and through the scalar gather (token-major words). SmolLM2's
     heads (3 KV heads, GQA 3, D 64), decode and short steps."""
     for Q, block_n, G in ((1, None, 3), (3, None, 3), (2, 5, 3), (2, None, 5), (1, 24, 1)):

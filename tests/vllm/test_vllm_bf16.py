@@ -141,7 +141,9 @@ def test_amx_readers_give_the_keys_and_values_the_real_op_wrote() -> None:
 
 def test_attention_policy_keeps_amx_and_reads_keys_in_place(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """H2O (attention statistics only) keeps the amx kernels; every statistics call of the first steps equals the
-    kernel run on the same keys unpacked into a plain tensor, bit for bit; it evicts without a failure."""
+    kernel run on the same keys unpacked into a plain tensor and the step's query rows gathered per (request, query),
+    bit for bit; it evicts without a failure."""
+    from vtoken_runtime.stats.collector import gather_query_rows
     from vtoken_runtime.stats.cpu_kernel import update_attn_stats_cpu
 
     llm = engine(tiny, {"policy": "h2o", "debug": True}, dtype="bfloat16")
@@ -154,11 +156,12 @@ def test_attention_policy_keeps_amx_and_reads_keys_in_place(tiny: Path, monkeypa
     checked: list[bool] = []
     numba = col._numba
 
-    def cross_checked(layer, query, md, query_pos, prompt_lens, scale):  # type: ignore[no-untyped-def]
+    def cross_checked(layer, query, md, query_pos, prompt_lens, scale, token_index):  # type: ignore[no-untyped-def]
         want = {n: cache.stats_tensor(n)[layer].clone() for n in col.attn}
-        numba(layer, query, md, query_pos, prompt_lens, scale)
+        numba(layer, query, md, query_pos, prompt_lens, scale, token_index)
         if len(checked) < 60:
-            update_attn_stats_cpu(query, col._keys[layer].unpack(), md.block_tables, md.cache_lens, query_pos,
+            assert token_index is not None and query.dim() == 3  # the step's query rows, read in place
+            update_attn_stats_cpu(gather_query_rows(query, token_index), col._keys[layer].unpack(), md.block_tables, md.cache_lens, query_pos,
                                   cache.key_positions(layer), want, scale=scale, obs_window=col.cfg.obs_window,
                                   history_window=col.cfg.history_window,
                                   low_attn_threshold=col.cfg.low_attn_threshold, prompt_lens=prompt_lens)
