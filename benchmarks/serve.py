@@ -70,9 +70,10 @@ class ServeConfig:
     prompt_tokens: tuple[int, int] = (1024, 1536)  # inclusive range of prompt lengths
     output_tokens: tuple[int, int] = (128, 192)  # inclusive range of output lengths
     block_size: int = 32
-    # the model's and KV cache's dtype. bfloat16 on a CPU with AMX: ~2.3x the closed loop of float32, every engine
-    # on vLLM's amx attention (the statistics kernel reads its KV layout in place)
-    dtype: str = "float32"
+    # the model's and KV cache's dtype: "auto" (resolve_dtype: bfloat16, the model's own dtype and what `vtoken-cli
+    # serve` runs, on a CPU with AMX tiles, every engine on vLLM's amx attention, whose KV layout the statistics
+    # kernel reads in place, ~2.3x the closed loop of float32; float32 elsewhere), "float32" or "bfloat16"
+    dtype: str = "auto"
     chunk_tokens: int = 128  # a request's prefill chunk (long_prefill_token_threshold): peaks at budget + chunk
     # max_num_batched_tokens (None: chunk_tokens). Larger lets several requests prefill in one step, but then
     # vLLM admits more requests than the KV budget holds and preempts them later: vanilla's running peak
@@ -147,8 +148,8 @@ class ServeConfig:
             raise ValueError(f"when={self.when!r}; expected one of {WHEN}")
         if bad := [m for m in self.modes if m not in MODES]:
             raise ValueError(f"modes {bad}; expected some of {sorted(MODES)}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype={self.dtype!r}; expected one of {tuple(DTYPES)}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}; expected auto or one of {tuple(DTYPES)}")
         if self.clock not in ("cpu", "wall"):
             raise ValueError(f"clock={self.clock!r}; expected cpu or wall")
         self.goodput_keys()  # raises on a malformed list
@@ -431,6 +432,16 @@ def fitting_prefix(trace: Trace, block_size: int, kv_blocks: int, want: int) -> 
 def _set_env() -> None:
     for k, v in ENV.items():
         os.environ.setdefault(k, v)
+
+
+def resolve_dtype(dtype: str) -> str:
+    """``"auto"`` -> ``"bfloat16"`` on a CPU with AMX tiles (SmolLM2's own dtype, the one the server runs; vLLM's
+    amx attention), else ``"float32"`` (bf16 without AMX runs vLLM's slower vec kernels); any other value as it is."""
+    if dtype != "auto":
+        return dtype
+    import torch
+
+    return "bfloat16" if torch.cpu._is_amx_tile_supported() else "float32"
 
 
 def kv_bytes(model_dir: str, blocks: int, block_size: int, dtype: str = "float32") -> int:
@@ -1155,6 +1166,7 @@ def run_parts(cfg: ServeConfig, model_dir: str, trace: Trace, jobs: Sequence[tup
 def run_serve_benchmark(cfg: ServeConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Everything the CLI prints (the JSON report)."""
     cfg.validate()
+    cfg.dtype = resolve_dtype(cfg.dtype)
     _set_env()
     from vtoken_bench.models import smollm2_path
 

@@ -139,7 +139,7 @@ def print_report(result: dict[str, Any]) -> None:
         out.print(f"{result['seconds']} s total ({result.get('cpu_seconds')} s of CPU time)")
         return
     (p0, p1), (o0, o1) = c["prompt_tokens"], c["output_tokens"]
-    table = Table(title=f"vLLM serving at a fixed KV budget ({result['kv_cache_memory_bytes'] / 2**20:.0f} MiB = "
+    table = Table(title=f"vLLM serving ({c.get('dtype', 'float32')}) at a fixed KV budget ({result['kv_cache_memory_bytes'] / 2**20:.0f} MiB = "
                         f"{c['kv_blocks']} blocks x {c['block_size']} tokens), {c['num_requests']} essay prompts of "
                         f"{p0}-{p1} tokens (mean {c['prompt_tokens_mean']:.0f}), outputs {o0}-{o1} "
                         f"(mean {c['output_tokens_mean']:.0f}), eviction when={c['when']}, chunks of {c['chunk_tokens']} "
@@ -211,8 +211,10 @@ def serve(
                                                            "holds --vanilla-target whole requests)")] = None,
     vanilla_target: Annotated[float | None, typer.Option(min=1.0, help="requests vanilla holds at once when "
                                                                        "--kv-blocks is not given")] = None,
-    dtype: Annotated[str | None, typer.Option(help="model and KV cache dtype: float32 or bfloat16 (AMX CPUs: "
-                                                   "~2.3x faster, vLLM's amx attention)")] = None,
+    dtype: Annotated[str | None, typer.Option(help="model and KV cache dtype: auto (default: bfloat16, the model's "
+                                                   "dtype that `serve` runs, on a CPU with AMX tiles: ~2.3x faster, "
+                                                   "vLLM's amx attention; float32 elsewhere), float32 or bfloat16")]
+    = None,
     chunk: Annotated[int | None, typer.Option(min=16, help="a request's prefill chunk (vLLM's "
                                                          "long_prefill_token_threshold; default 128)")] = None,
     step_tokens: Annotated[int | None, typer.Option(min=16, help="tokens per engine step (max_num_batched_tokens: "

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from vtoken_bench.serve import (
     ServeConfig,
@@ -21,6 +22,7 @@ from vtoken_bench.serve import (
     miss_counts,
     paired_ratio,
     poisson_arrivals,
+    resolve_dtype,
     search_goodput,
     spread,
     tpot_of,
@@ -200,6 +202,9 @@ def test_config_validation() -> None:
         with pytest.raises(ValueError):
             ServeConfig(**bad).validate()  # type: ignore[arg-type]
     ServeConfig(dtype="bfloat16").validate()
+    assert ServeConfig().dtype == "auto"
+    assert resolve_dtype("float32") == "float32" and resolve_dtype("bfloat16") == "bfloat16"
+    assert resolve_dtype("auto") == ("bfloat16" if torch.cpu._is_amx_tile_supported() else "float32")
 
 
 def test_kv_bytes_follow_the_dtype(tmp_path: Path) -> None:
