@@ -388,6 +388,16 @@ def _py_kmax(kp, kpo, BNe):  # type: ignore[no-untyped-def]  # pragma: no cover 
     return mx
 
 
+def _py_vis_at(kp, kpo, qp, kmax, vis, BNe, vq, cnt):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
+    """``vis`` for a query at ``qp``: the mask of position ``min(qp, kmax)`` (:func:`_py_kmax`), computed only when
+    that differs from ``vq``, the position ``vis`` holds (``cnt`` visible keys; -2: none yet). Returns the new
+    ``(vq, cnt)``."""
+    qv = qp if qp < kmax else kmax
+    if qv != vq:
+        return qv, _visible(kp, kpo, qv, vis, BNe)  # noqa: F821
+    return vq, cnt
+
+
 def _py_masked_scores(qb, i, G, D, kt, kto, vis, buf, bo, scale, BN, BNe, direct, kraw, kfmt, rowb, j0, nt, seg,
                       k_sd):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled
     """``buf[bo + g*BN + jj] = scale * q . k`` of query ``i``'s G rows over one tile, ``_NEG`` where not visible
@@ -413,16 +423,12 @@ def _py_pass1(qb, n_need, qp_n, G, D, kt, kto, kp, kpo, kmin, nt, vis, acc, sc, 
     GB = G * BN
     buf = sc if cached else acc
     kmax = _kmax(kp, kpo, BNe)  # noqa: F821
-    vq = np.int64(-2)  # vis holds the mask of a query at position vq (cnt keys)
-    cnt = 0
+    vq, cnt = np.int64(-2), 0  # vis holds the mask of a query at position vq (cnt keys)
     for i in range(n_need):
         qp = qp_n[i]
         if qp < kmin:
             continue  # no key of the tile is visible to this query
-        qv = qp if qp < kmax else kmax
-        if qv != vq:
-            cnt = _visible(kp, kpo, qv, vis, BNe)  # noqa: F821
-            vq = qv
+        vq, cnt = _vis_at(kp, kpo, qp, kmax, vis, BNe, vq, cnt)  # noqa: F821
         if cnt == 0:
             continue
         nvis[i] += cnt
@@ -449,15 +455,12 @@ def _py_pass1b(qb, n_need, qp_n, nvis, m, G, D, kt, kto, kp, kpo, kmin, nt, vis,
     GB = G * BN
     buf = sc if cached else acc
     kmax = _kmax(kp, kpo, BNe)  # noqa: F821
-    vq = np.int64(-2)  # vis holds the mask of a query at position vq (as in pass 1)
+    vq, cnt = np.int64(-2), 0  # vis holds the mask of a query at position vq (as in pass 1)
     for i in range(n_need):
         qp = qp_n[i]
         if qp < kmin or nvis[i] == 0:
             continue  # the query sees no key of the tile (or none at all)
-        qv = qp if qp < kmax else kmax
-        if qv != vq:
-            _visible(kp, kpo, qv, vis, BNe)  # noqa: F821
-            vq = qv
+        vq, cnt = _vis_at(kp, kpo, qp, kmax, vis, BNe, vq, cnt)  # noqa: F821
         bo = sc_off + i * GB if cached else 0
         if not cached:
             _masked_scores(qb, i, G, D, kt, kto, vis, buf, bo, scale, BN, BNe, False, kraw, kfmt, rowb, j0, nt,  # noqa: F821
@@ -505,15 +508,12 @@ def _py_pass2(qb, n_need, qp_n, fl_n, w_n, thr_n, nvis, m, invl, G, D, kt, kto, 
     ou = np.uint64(ao)
     buf = sc if cached else acc
     kmax = _kmax(kp, kpo, BNe)  # noqa: F821
-    vq = np.int64(-2)  # vis holds the mask of a query at position vq (as in pass 1)
+    vq, cnt = np.int64(-2), 0  # vis holds the mask of a query at position vq (as in pass 1)
     for i in range(n_need):
         qp = qp_n[i]
         if qp < kmin or nvis[i] == 0:
             continue
-        qv = qp if qp < kmax else kmax
-        if qv != vq:
-            _visible(kp, kpo, qv, vis, BNe)  # noqa: F821
-            vq = qv
+        vq, cnt = _vis_at(kp, kpo, qp, kmax, vis, BNe, vq, cnt)  # noqa: F821
         for jj in range(n):
             P[jj] = _F0
         bo = sc_off + i * GB if cached else 0
@@ -1027,6 +1027,7 @@ def _load() -> Any:
         g["_visible"] = numba.njit(inline="always", **opts)(_py_visible)
         g["_width"] = numba.njit(inline="always", **opts)(_py_width)
         g["_kmax"] = numba.njit(inline="always", **opts)(_py_kmax)
+        g["_vis_at"] = numba.njit(inline="always", **opts)(_py_vis_at)
         g["_masked_scores"] = numba.njit(inline="always", **opts)(_py_masked_scores)
         g["_pass1"] = numba.njit(**opts)(_py_pass1)
         g["_pass1b"] = numba.njit(**opts)(_py_pass1b)
