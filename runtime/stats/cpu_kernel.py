@@ -29,8 +29,8 @@ word (load) per pair of dims, split into the two dims' fp32 bits (low half: dim 
    the row max ``m`` = the max of the lanes) and the visible-key count ``n_vis`` of the query;
 2. the sum pass, once ``m`` is final: ``e = exp(s - m)`` per visible (row, key), 0 elsewhere, added to the
    row's lanes (tiles ascending, keys in order), ``l`` = the lanes summed in order: one exponential per
-   (row, key), where an online max would need a rescale per tile and a second exponential in pass 2; with
-   the scores cached, 16 keys per call (``_exp_acc16``: 512-bit vectors, the scalar polynomial's operations);
+   (row, key), where an online max would need a rescale per tile and a second exponential in pass 2;
+   16 keys per call (``_exp_acc16``: 512-bit vectors, the scalar polynomial's operations);
 3. pass 2: ``P = sum_g e_g * (1 / l_g)`` per (query, key), reduced over queries into the four
    statistics, per virtual slot; then folded into the per-slot stores (add / overwrite / decay-and-add) at
    the physical slots (every virtual slot ``j < cache_len``: dead slots get the same 0 contributions, the
@@ -465,35 +465,21 @@ def _py_pass1b(qb, n_need, qp_n, nvis, m, G, D, kt, kto, kp, kpo, kmin, nt, vis,
         if not cached:
             _masked_scores(qb, i, G, D, kt, kto, vis, buf, bo, scale, BN, BNe, False, kraw, kfmt, rowb, j0, nt,  # noqa: F821
                            seg, k_sd)
-        elif W % 16 == 0:  # 16 keys per call (the same bits as the loop below)
-            for g in range(G):
-                mg = m[i * G + g]
-                lo = (i * G + g) * W
-                for c in range(0, BNe, W):
-                    w = min(W, BNe - c)
-                    ab = bo + g * BN + c
-                    u = 0
-                    while u + 16 <= w:
-                        _exp_acc16(buf, ab + u, vis, c + u, ll, lo + u, mg)  # noqa: F821
-                        u += 16
-                    for t in range(u, w):
-                        e = _fexp(buf[ab + t] - mg)  # noqa: F821
-                        e = e if vis[c + t] else _F0
-                        buf[ab + t] = e
-                        ll[lo + t] += e
-            continue
         for g in range(G):
             mg = m[i * G + g]
-            lo = np.uint64((i * G + g) * W)
+            lo = (i * G + g) * W
             for c in range(0, BNe, W):
-                w = np.uint64(min(W, BNe - c))
-                ab = np.uint64(bo + g * BN + c)
-                cu = np.uint64(c)
-                for u in range(w):
-                    e = _fexp(buf[ab + u] - mg)  # noqa: F821
-                    e = e if vis[cu + u] else _F0
-                    buf[ab + u] = e
-                    ll[lo + u] += e
+                w = min(W, BNe - c)
+                ab = bo + g * BN + c
+                u = 0
+                while u + 16 <= w:  # 16 keys per call (lanes u .. u + 15), then one by one: the same bits
+                    _exp_acc16(buf, ab + u, vis, c + u, ll, lo + u, mg)  # noqa: F821
+                    u += 16
+                for t in range(u, w):
+                    e = _fexp(buf[ab + t] - mg)  # noqa: F821
+                    e = e if vis[c + t] else _F0
+                    buf[ab + t] = e
+                    ll[lo + t] += e
 
 
 def _py_pass2(qb, n_need, qp_n, fl_n, w_n, thr_n, nvis, m, invl, G, D, kt, kto, kp, kpo, kmin, nt, vis, acc, sc,
