@@ -74,7 +74,7 @@ def serve(d: dict) -> str:
     out.append(f"\nstatistics cost, H2O {s['eviction_ratio']} vs policy none ({s['rounds']} rounds, {s['requests']} "
                f"request(s)): {s['h2o_s']} s vs {s['none_s']} s = {s['ratio']}x {_sp(s, 'ratio')} wall, "
                f"{s['ratio_cpu']}x {_sp(s, 'ratio_cpu')} CPU"
-               + (f"; H2O with a {s['slack_variant']}-token slack: {s['h2o_slack_s']} s = {s['ratio_slack']}x "
+               + (f"; H2O with slack {s['slack_variant']}: {s['h2o_slack_s']} s = {s['ratio_slack']}x "
                   f"{_sp(s, 'ratio_slack')} wall, {s['ratio_slack_cpu']}x {_sp(s, 'ratio_slack_cpu')} CPU"
                   if "ratio_slack" in s else ""))
     return "\n".join(out)

@@ -6,7 +6,9 @@ requests, prompts of 1K-1.15K, outputs of 64-96). The KV budget (``kv_blocks``) 
 and no engine's count sits on a rounding edge. Prefill is chunked (``chunk_tokens``, 128, one chunk per
 step); vToken and Naive-Evict rows evict after every prefill chunk by default (``when="chunks"``): a long
 prompt never holds more than its budget plus one chunk, and admission needs only the first chunk's blocks.
-``slack`` (default 0) is the evicting rows' budget slack.
+``slack`` is the evicting rows' budget slack, default ``"block"``: a request evicts only when it would
+otherwise hold a block more than its budget needs, so it holds exactly the blocks of slack 0 after every
+step while the policy and the compaction run once per several decode steps (``Budget``).
 
 (a) concurrency      the whole trace submitted at once (``max_num_seqs`` = trace size): the running peak
                      (most requests scheduled in one step) and the no-preemption ("guaranteed") concurrency
@@ -81,7 +83,9 @@ class ServeConfig:
     step_tokens: int | None = None
     kv_blocks: int | None = None  # None: (vanilla_target + 0.5) x the trace's mean whole-request footprint
     vanilla_target: float = 4.0
-    slack: int = 0  # the vToken / Naive rows' budget slack (tokens; 0: evict every step that exceeds the budget)
+    # the vToken / Naive rows' budget slack: "block" (the blocks of 0, fewer evictions) or tokens (0: evict every
+    # step that exceeds the budget)
+    slack: int | str = "block"
     max_model_len: int | None = None  # None: longest prompt + longest output, rounded up to a block
     when: str = "chunks"
     clock: str = "cpu"  # TTFT / TPOT / arrivals of the goodput runs: "cpu" (see ServingClock) or "wall"
@@ -169,8 +173,9 @@ class ServeConfig:
         if self.chunk_tokens < 1 or (self.step_tokens is not None and self.step_tokens < self.chunk_tokens):
             raise ValueError(f"chunk_tokens={self.chunk_tokens}, step_tokens={self.step_tokens}; expected "
                              "1 <= chunk_tokens <= step_tokens")
-        if self.slack < 0:
-            raise ValueError(f"slack={self.slack}; expected >= 0 tokens")
+        from vtoken_sdk.budget import parse_slack
+
+        self.slack = parse_slack(self.slack)
         if self.rounds < 1 or self.throughput_rounds < 1:
             raise ValueError(f"rounds={self.rounds}, throughput_rounds={self.throughput_rounds}; expected >= 1")
 
@@ -731,12 +736,18 @@ def _warm(llm: Any, trace: Trace) -> None:
 
 def stats_cost_specs(cfg: ServeConfig) -> tuple[dict[str, dict[str, Any]], tuple[str, ...]]:
     """The engines of the statistics cost (plugin args by name) and the names run alone each round: policy
-    none and H2O 0.5, plus H2O with a one-block slack unless the rows already use a slack (the same
-    statistics every step, the policy and the compaction once per block of decode)."""
+    none and H2O 0.5, plus H2O with the other of slack 0 and ``"block"`` when the rows use one of them
+    (:func:`slack_variant`: the same statistics every step, the policy and the compaction every step or once
+    per several)."""
     specs = {"none": {"policy": "none", "eviction_ratio": 0.5, "when": cfg.when}, "h2o": plugin_args(cfg, "h2o", 0.5)}
-    if not cfg.slack:
-        specs["h2o_slack"] = {**plugin_args(cfg, "h2o", 0.5), "slack": cfg.block_size}
+    if slack_variant(cfg) is not None:
+        specs["h2o_slack"] = {**plugin_args(cfg, "h2o", 0.5), "slack": slack_variant(cfg)}
     return specs, tuple(specs)
+
+
+def slack_variant(cfg: ServeConfig) -> int | str | None:
+    """The statistics cost's second H2O: slack 0 for rows with ``"block"``, ``"block"`` for rows with 0."""
+    return {"block": 0, 0: "block"}.get(cfg.slack)
 
 
 H2O_PARTS = ("statistics_s", "policy_s", "reclaim_s", "evictions")  # where H2O's extra time goes (stats_cost.h2o_parts)
@@ -775,7 +786,7 @@ def finish_stats_cost(stats_cost: dict[str, Any], cfg: ServeConfig, wall: dict[s
         stats_cost["h2o_parts"] = {k: round(statistics.median(v), 3) for k, v in h2o_parts.items()}
     if "h2o_slack" in alone:
         pr, pc = paired_ratio(wall["h2o_slack"], wall["none_alone"]), paired_ratio(cpu["h2o_slack"], cpu["none_alone"])
-        stats_cost.update(slack_variant=cfg.block_size, h2o_slack_s=round(statistics.median(wall["h2o_slack"]), 3),
+        stats_cost.update(slack_variant=slack_variant(cfg), h2o_slack_s=round(statistics.median(wall["h2o_slack"]), 3),
                           h2o_slack_s_spread=_r(spread(wall["h2o_slack"]), 3), ratio_slack=round(pr["ratio"], 3),
                           ratio_slack_spread={"min": round(pr["min"], 3), "max": round(pr["max"], 3)},
                           ratio_slack_cpu=round(pc["ratio"], 3),

@@ -82,7 +82,7 @@ def print_stats_cost(s: dict[str, Any], c: dict[str, Any]) -> None:
     out.print(f"stats cost, H2O ({s['mode']} {s['eviction_ratio']}) vs policy none: {s['h2o_s']} s vs {s['none_s']} s "
               f"= {s['ratio']}x {_sp(s, 'ratio')} wall, {s['ratio_cpu']}x {_sp(s, 'ratio_cpu')} CPU time "
               f"(statistics backend: {c.get('stats_backend')})"
-              + (f"; with a {s['slack_variant']}-token slack {s['h2o_slack_s']} s = {s['ratio_slack']}x "
+              + (f"; with slack {s['slack_variant']} {s['h2o_slack_s']} s = {s['ratio_slack']}x "
                  f"{_sp(s, 'ratio_slack')} wall, {s['ratio_slack_cpu']}x {_sp(s, 'ratio_slack_cpu')} CPU"
                  if "ratio_slack" in s else ""))
     if hp := s.get("h2o_parts"):
@@ -245,8 +245,10 @@ def serve(
                                                             "goodput, overhead + stats cost, the other rows) side "
                                                             "by side, one core each (default 2; 1: in turn)")]
     = None,
-    slack: Annotated[int, typer.Option(min=0, help="budget slack of the evicting rows (tokens): evict once a "
-                                                   "request holds budget + slack, e.g. 32 = one block")] = 0,
+    slack: Annotated[str, typer.Option(help="budget slack of the evicting rows: block (evict only when a request "
+                                            "would hold a block more than its budget needs: the blocks of 0, "
+                                            "fewer evictions) or tokens (evict once a request holds budget + "
+                                            "slack; 0: every step over the budget)")] = "block",
     rebuild: Annotated[bool | None, typer.Option(help="build the overhead / stats-cost engines afresh every round, in a "
                                                "rotated order (instance effects become spread, not bias); default: yes, --quick: no")] = None,
     only: Annotated[str, typer.Option(help="all (the whole report), stats-cost (only H2O 0.5 vs policy none "

@@ -68,7 +68,7 @@ def _cuda() -> bool:
 
 def server_command(model: str, policy: str, mode: str, eviction_ratio: float | None, budget_tokens: int | None,
                    policy_name: str | None, debug: bool, vllm_args: list[str], when: str | None = None,
-                   slack: int | None = None) -> tuple[list[str], dict[str, str], str]:
+                   slack: int | str | None = None) -> tuple[list[str], dict[str, str], str]:
     """``(argv, environment, effective-configuration line)``; ``typer.Exit(2)`` for a bad configuration."""
     from vtoken_runtime.vllm_plugin import serve_flags
     from vtoken_runtime.vllm_plugin.config import PluginConfig, describe_policy
@@ -129,9 +129,10 @@ def serve_server(
     debug: Annotated[bool, typer.Option(help="full token-table invariant checks every step (slow)")] = False,
     when: Annotated[str | None, typer.Option(help="override when the budget evicts: prefill | decode | both | "
                                                   "chunks (also after every prefill chunk)")] = None,
-    slack: Annotated[int | None, typer.Option(min=0, help="override the budget's slack: evict only once a request "
-                                                          "holds budget + slack tokens (e.g. one block: one policy "
-                                                          "call per block of decode instead of per token)")] = None,
+    slack: Annotated[str | None, typer.Option(help="override the budget's slack: evict only once a request holds "
+                                                   "budget + slack tokens, or block: only when it would hold a "
+                                                   "block more than its budget needs (the memory of slack 0, one "
+                                                   "policy call per several decode steps instead of per token)")] = None,
     print_command: Annotated[bool, typer.Option("--print-command",
                                                 help="print the server command and exit")] = False,
 ) -> None:
@@ -139,8 +140,14 @@ def serve_server(
     (e.g. --port 8000 --max-model-len 4096 --tensor-parallel-size 2)."""
     if eviction_ratio is not None and budget_tokens is not None:
         _usage("give at most one of --eviction-ratio and --budget-tokens")
+    from vtoken_sdk.budget import parse_slack
+
+    try:
+        slack_v = None if slack is None else parse_slack(slack)
+    except ValueError as e:
+        _usage(str(e))
     argv, env, line = server_command(model, policy, mode, eviction_ratio, budget_tokens, policy_name, debug,
-                                     list(ctx.args), when, slack)
+                                     list(ctx.args), when, slack_v)
     err.print(line, highlight=False, soft_wrap=True)
     if print_command:
         typer.echo(" ".join(argv))

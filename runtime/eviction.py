@@ -133,7 +133,8 @@ class EvictionDriver:
                 continue
             phase = phases if isinstance(phases, str) else phases[r]
             assert t.budget is not None and t.policy is not None
-            if t.budget.should_evict(cache.live_tokens(r), cache.logical_len(r), phase):  # type: ignore[arg-type]
+            if t.budget.should_evict(cache.live_tokens(r), cache.logical_len(r), phase,  # type: ignore[arg-type]
+                                     block_size=cache.block_size):
                 groups.setdefault(id(t.policy), []).append(r)
         if not groups:
             return report

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -16,6 +16,20 @@ PHASES_OF: dict[str, tuple[str, ...]] = {"prefill": ("prefill",), "decode": ("de
                                          "both": ("prefill", "decode"), "chunks": ("chunk", "prefill", "decode")}
 
 
+Slack = int | Literal["block"]
+
+
+def parse_slack(text: str | int) -> Slack:
+    """A slack from a command line or a config value: ``"block"`` or an integer >= 0 (tokens)."""
+    if text == "block":
+        return "block"
+    if isinstance(text, int) and not isinstance(text, bool) and text >= 0:
+        return text
+    if isinstance(text, str) and text.strip().isdigit():
+        return int(text)
+    raise ValueError(f"slack: got {text!r}, expected an integer >= 0 (tokens) or 'block'; try 32 or block")
+
+
 class Budget(BaseModel):
     """How many tokens each request keeps.
 
@@ -24,7 +38,13 @@ class Budget(BaseModel):
 
     - ``min_tokens``: never shrink a request below this many tokens.
     - ``slack``: evict only when ``live > budget + slack`` (amortises work: one
-      eviction frees ``slack`` tokens at once instead of one per decode step).
+      eviction frees ``slack`` tokens at once instead of one per decode step). ``slack="block"``:
+      evict, down to the budget, only when the request would otherwise hold a block the budget does
+      not need: after a step, when its last block is full (the next token would open a block) or it
+      holds more blocks than ``ceil(budget / block_size)``. After every prefill and decode step it
+      then holds exactly the blocks of ``slack=0`` (same memory, same concurrency, when each decode
+      step adds one token), while the policy and the compaction run once per several decode steps.
+      Prefill chunks (``when="chunks"``) evict as with ``slack=0``.
     - ``when``: run eviction after prefill, during decode, ``both`` (default), or ``chunks``: also after
       every prefill chunk, so a long prompt never holds more than its budget plus one chunk. Opt-in:
       later prompt tokens then attend only to what the earlier chunks kept (beyond the seed paper,
@@ -39,7 +59,7 @@ class Budget(BaseModel):
     tokens: int | None = Field(default=None, ge=1, description="absolute number of tokens kept")
     ratio: float | None = Field(default=None, gt=0.0, le=1.0, description="fraction of tokens kept")
     min_tokens: int = Field(default=0, ge=0)
-    slack: int = Field(default=0, ge=0)
+    slack: Annotated[int, Field(ge=0)] | Literal["block"] = 0
     when: When = "both"
 
     @model_validator(mode="after")
@@ -59,7 +79,7 @@ class Budget(BaseModel):
         return cls(ratio=1.0 - eviction_ratio, **kw)  # type: ignore[arg-type]
 
     def override(self, tokens: int | None = None, eviction_ratio: float | None = None,
-                 when: When | None = None, slack: int | None = None) -> Budget:
+                 when: When | None = None, slack: Slack | None = None) -> Budget:
         """This budget with its size replaced (a per-request override): ``tokens`` or ``eviction_ratio``
         (at most one), keeping ``min_tokens``, ``slack`` and ``when`` (unless ``when`` / ``slack`` are
         given). No argument: ``self``."""
@@ -91,9 +111,19 @@ class Budget(BaseModel):
             base = math.floor(self.ratio * seq_len + 0.5)
         return max(self.min_tokens, base)
 
-    def should_evict(self, live: int, seq_len: int, phase: Phase, budget: int | None = None) -> bool:
+    def should_evict(self, live: int, seq_len: int, phase: Phase, budget: int | None = None,
+                     block_size: int | None = None) -> bool:
         """True when a request with ``live`` cached tokens must be trimmed now (``budget``: a
-        per-request override of :meth:`resolve`)."""
+        per-request override of :meth:`resolve`; ``block_size``: the cache's, read by ``slack="block"``
+        only, which without it evicts as ``slack=0``)."""
         if phase not in PHASES_OF[self.when]:
             return False
-        return live > (self.resolve(seq_len) if budget is None else budget) + self.slack
+        b = self.resolve(seq_len) if budget is None else budget
+        if self.slack != "block":
+            return live > b + self.slack
+        if live <= b:
+            return False
+        if phase == "chunk" or not block_size:  # the next step may add many tokens: trim now
+            return True
+        # the next step adds one token: it opens a block only if the last one is full
+        return live % block_size == 0 or -(-live // block_size) > -(-b // block_size)

@@ -64,14 +64,14 @@ def _on_cuda() -> bool:
 
 def vllm_engine_args(policy: str | None = "none", mode: str = "compact", eviction_ratio: float | None = None,
                      budget_tokens: int | None = None, policy_name: str | None = None, debug: bool = False,
-                     device: str | None = None, when: str | None = None, slack: int | None = None,
+                     device: str | None = None, when: str | None = None, slack: int | str | None = None,
                      **extra: Any) -> dict[str, Any]:
     """Keyword arguments for ``vllm.LLM(...)`` / ``EngineArgs(...)`` that enable vToken.
 
     ``policy``: shipped name (``h2o``, ``scissorhands``, ...), a policy file, or ``"none"``;
     ``mode``: ``compact`` | ``ordered`` | ``naive`` (Naive-Evict baseline); ``eviction_ratio`` /
     ``budget_tokens`` override the policy budget, ``when`` its eviction points (``"chunks"``: also after
-    every prefill chunk), ``slack`` its slack (evict once ``live > budget + slack``); ``device``: ``"cpu"`` | ``"cuda"`` picks the worker
+    every prefill chunk), ``slack`` its slack (evict once ``live > budget + slack``, or ``"block"``); ``device``: ``"cpu"`` | ``"cuda"`` picks the worker
     (default: CUDA when torch sees a GPU). ``extra`` is merged (e.g. ``additional_config``). On CUDA a
     policy that reads statistics gets PIECEWISE CUDA graphs unless ``compilation_config`` is given (the
     GPU worker enforces it too; see ``gpu_worker``).

@@ -65,12 +65,19 @@ class StepContext:
 
 
 class VTokenAttentionImpl:
-    """Delegating wrapper around a vLLM ``AttentionImpl`` (everything not overridden is forwarded)."""
+    """Delegating wrapper around a vLLM ``AttentionImpl`` (everything not overridden is forwarded).
 
-    def __init__(self, inner: Any, runner: Any, layer_index: int) -> None:
+    ``hooks``: which of ``do_kv_cache_update`` / ``forward`` the engine's policy needs (key/value norms;
+    attention or query statistics). A hook it does not need is the wrapped impl's own bound method, set on
+    the instance: no extra Python frame per layer and step (policy ``none`` runs vLLM's calls as they are)."""
+
+    def __init__(self, inner: Any, runner: Any, layer_index: int,
+                 hooks: frozenset[str] = frozenset({"do_kv_cache_update", "forward"})) -> None:
         object.__setattr__(self, "_inner", inner)
         object.__setattr__(self, "_runner", runner)
         object.__setattr__(self, "_layer", layer_index)
+        for name in {"do_kv_cache_update", "forward"} - hooks:
+            object.__setattr__(self, name, getattr(inner, name))  # shadows the hook below
 
     def __getattr__(self, name: str) -> Any:
         return getattr(object.__getattribute__(self, "_inner"), name)

@@ -37,7 +37,9 @@ class PluginConfig:
     when            overrides the budget's ``when`` (``chunks``: also evict after every prefill chunk)
     slack           overrides the budget's ``slack``: evict only once ``live > budget + slack``, then down
                     to the budget (one policy call and one reclaim per ``slack`` tokens instead of per
-                    decode step; a request holds at most ``slack`` tokens more)
+                    decode step; a request holds at most ``slack`` tokens more), or ``"block"``: evict
+                    only when a step would otherwise leave the request a block more than the budget's
+                    (the same blocks as slack 0 after every step; see ``Budget``)
     policy_name     which policy of a multi-policy file (default: the first)
     debug           full invariant checks of the token table after every step (slow)
     """
@@ -49,7 +51,7 @@ class PluginConfig:
     policy_name: str | None = None
     debug: bool = False
     when: str | None = None
-    slack: int | None = None
+    slack: int | str | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -60,9 +62,9 @@ class PluginConfig:
             raise ValueError(f"vtoken: budget_tokens must be >= 1, got {self.budget_tokens}")
         if self.when is not None and self.when not in PHASES_OF:
             raise ValueError(f"vtoken: unknown when {self.when!r}; expected one of {sorted(PHASES_OF)}")
-        if self.slack is not None and (isinstance(self.slack, bool) or not isinstance(self.slack, int)
-                                       or self.slack < 0):
-            raise ValueError(f"vtoken: slack must be an integer >= 0 (tokens), got {self.slack!r}")
+        if self.slack is not None and self.slack != "block" and (
+                isinstance(self.slack, bool) or not isinstance(self.slack, int) or self.slack < 0):
+            raise ValueError(f"vtoken: slack must be an integer >= 0 (tokens) or 'block', got {self.slack!r}")
 
     @property
     def enabled(self) -> bool:

@@ -56,6 +56,9 @@ from .metrics import record_step
 from .step_inputs import place_new_tokens, true_positions
 
 log = logging.getLogger("vtoken.vllm")
+# the step context of a step that collects nothing (policy none, no eligible request): one shared instance
+_NO_STATS_STEP = StepContext([], None, torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64),
+                             torch.zeros(0, dtype=torch.int64), False)
 
 
 class ExternalPool(BlockPool):
@@ -164,10 +167,13 @@ class VTokenRunnerMixin:
         self._vt_driver = EvictionDriver(cache, collective=collective, queries=self._vt_queries)
         if stat_names:
             self._vt_collector = StatsCollector(cache, stat_names, pol.spec.stats, Hq // H, keys=self._vt_stats_keys)
+        col = self._vt_collector
+        hooks = frozenset({"do_kv_cache_update"} if col is not None and col.kv else ()) | frozenset(
+            {"forward"} if (col is not None and col.attn) or self._vt_queries is not None else ())
         for i, n in enumerate(names):
             layer = layers[n]
             if not isinstance(layer.impl, VTokenAttentionImpl):
-                layer.impl = VTokenAttentionImpl(layer.impl, self, i)
+                layer.impl = VTokenAttentionImpl(layer.impl, self, i, hooks)
         if self._vt_rank == 0:
             log.info("vtoken: %s; mode=%s; KV cache %d blocks x %d tokens, %d layers x %d KV heads on this rank",
                      describe_policy(pol), self._vt_cfg.mode, nb, bs, len(names), H)
@@ -348,7 +354,7 @@ class VTokenRunnerMixin:
                                         qwrite, padded=bool((tok < 0).any()))
         else:
             cache.fence()
-            self._vt_step = StepContext([], None, torch.zeros(0), torch.zeros(0), torch.zeros(0), False)
+            self._vt_step = _NO_STATS_STEP
         self._vt_batch = req_ids
         self._vt_times["prepare_seconds"] += time.perf_counter() - t_in
         self._vt_times["steps"] += 1

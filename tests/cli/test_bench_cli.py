@@ -134,8 +134,8 @@ def test_bench_serve_tiny_trace_json_schema_and_gains(tmp_path: Path) -> None:
     t = d["throughput"]  # vanilla vs vToken H2O 0.5, lockstep rounds: the rows carry its medians
     assert t["rounds"] == 2 and t["ratio_spread"]["min"] <= t["ratio"] <= t["ratio_spread"]["max"]
     assert van["closed_loop_tok_s"] == t["vanilla_tok_s"] and vt["closed_loop_tok_s"] == t["vtoken_tok_s"]
-    assert c["slack"] == 0 and s["slack"] == 0
-    assert s["slack_variant"] == 32 and s["ratio_slack_spread"]["min"] <= s["ratio_slack"] <= s["ratio_slack_spread"]["max"]
+    assert c["slack"] == "block" and s["slack"] == "block"  # the default; the variant evicts every step
+    assert s["slack_variant"] == 0 and s["ratio_slack_spread"]["min"] <= s["ratio_slack"] <= s["ratio_slack_spread"]["max"]
     assert (tmp_path / "s.png").stat().st_size > 10_000
     assert "goodput" in res.stdout and "stats cost" in res.stdout and "closed-loop throughput" in res.stdout
     assert "goodput probes of vanilla none 0.0" in res.stdout and "goodput probes of vtoken h2o 0.5" in res.stdout
@@ -168,17 +168,19 @@ def test_bench_serve_goodput_max_seqs_caps_only_the_goodput_engines(tmp_path: Pa
 
 @pytest.mark.vllm
 def test_bench_serve_only_stats_cost_runs_the_paired_rounds_alone(tmp_path: Path) -> None:
-    """`--only stats-cost`: H2O 0.5, policy none and H2O with a one-block slack run the first request alone,
-    interleaved; the report is the full benchmark's `stats_cost` object (no rows, no plot)."""
+    """`--only stats-cost`: H2O 0.5, policy none and H2O with the other slack (here ``--slack 0``: the variant
+    is ``block``) run the first request alone, interleaved; the report is the full benchmark's `stats_cost`
+    object (no rows, no plot)."""
     out, png = tmp_path / "s.json", tmp_path / "s.png"
     res = runner.invoke(app, ["bench", "serve", "--only", "stats-cost", "--requests", "2", "--prompt-tokens", "96,128",
                               "--output-tokens", "8,12", "--vanilla-target", "2", "--chunk", "64", "--step-tokens",
-                              "128", "--rounds", "2", "--no-rebuild", "--json", str(out), "--plot", str(png)])
+                              "128", "--rounds", "2", "--no-rebuild", "--slack", "0", "--json", str(out), "--plot", str(png)])
     assert res.exit_code == 0, res.output
     d = json.loads(out.read_text())
     assert "rows" not in d and "overhead" not in d and not png.exists()
     s, c = d["stats_cost"], d["config"]
     assert s["rounds"] == 2 and s["requests"] == 1 and s["policy"] == "h2o" and s["eviction_ratio"] == 0.5
+    assert s["slack"] == 0 and s["slack_variant"] == "block"
     assert s["none_s"] > 0 and s["h2o_s"] > 0 and s["none_cpu_s"] > 0
     for k in ("ratio", "ratio_cpu", "ratio_slack", "ratio_slack_cpu"):
         assert s[f"{k}_spread"]["min"] <= s[k] <= s[f"{k}_spread"]["max"], k
@@ -240,3 +242,9 @@ def test_bench_serve_rejects_a_bad_only() -> None:
 def test_bench_serve_rejects_a_bad_when() -> None:
     res = runner.invoke(app, ["bench", "serve", "--when", "decode"])
     assert res.exit_code == 2 and "bad option value" in res.output
+
+
+@pytest.mark.parametrize("bad", ["blocks", "-4", "1.5"])
+def test_bench_serve_rejects_a_bad_slack(bad: str) -> None:
+    res = runner.invoke(app, ["bench", "serve", "--slack", bad])
+    assert res.exit_code == 2 and "bad option value" in res.output and "slack" in res.output

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 import vtoken_sdk as vt
 from vtoken_sdk.batch import StatsBatch
+from vtoken_sdk.budget import parse_slack
 from vtoken_sdk.checks import ContractViolation, prop_budget
 from vtoken_sdk.reference import ReferencePolicy
 
@@ -169,3 +170,50 @@ def test_override_keeps_or_replaces_slack() -> None:
     s = b.override(slack=32)
     assert not s.should_evict(live=82, seq_len=100, phase="decode") and s.should_evict(83, 100, "decode")
     assert s.resolve(100) == b.resolve(100) == 50
+
+
+def _held_blocks(b: vt.Budget, prompt: int, chunk: int, decode: int, bs: int) -> tuple[list[int], int]:
+    """Simulate one request under ``b`` (chunked prefill of ``chunk`` tokens, then ``decode`` one-token
+    steps, eviction down to the budget whenever ``should_evict`` says so): the blocks it needs at every
+    reservation and holds after every step, and how many evictions ran."""
+    live = seq = 0
+    held: list[int] = []
+    evictions = 0
+    steps = [min(chunk, prompt - i) for i in range(0, prompt, chunk)] + [1] * decode
+    for i, n in enumerate(steps):
+        held.append(-(-(live + n) // bs))  # at the reservation of the step's tokens
+        live, seq = live + n, seq + n
+        phase = "decode" if i >= len(steps) - decode else ("prefill" if seq == prompt else "chunk")
+        if b.should_evict(live, seq, phase, block_size=bs):
+            live, evictions = b.resolve(seq), evictions + 1
+        held.append(-(-live // bs))  # after the step's eviction
+    return held, evictions
+
+
+@settings(max_examples=300, deadline=None)
+@given(size=st.one_of(dyadic_ratios(), st.integers(1, 300)), min_tokens=MIN_TOKENS, when=st.sampled_from(["both", "chunks"]),
+       prompt=st.integers(1, 600), chunk=st.integers(1, 256), decode=st.integers(0, 400), bs=st.sampled_from([1, 4, 16, 32]))
+def test_block_slack_holds_the_blocks_of_slack_zero(size: tuple[int, int] | int, min_tokens: int, when: str, prompt: int,
+                                                    chunk: int, decode: int, bs: int) -> None:
+    """``slack="block"`` needs and holds exactly the blocks of ``slack=0`` at every reservation and after
+    every step (one-token decode steps), and never evicts more often."""
+    kw = {"tokens": size} if isinstance(size, int) else {"ratio": size[0] / 2**size[1]}
+    exact = vt.Budget(**kw, min_tokens=min_tokens, when=when)  # type: ignore[arg-type]
+    lazy = exact.override(slack="block")
+    (want, n_exact), (got, n_lazy) = (_held_blocks(b, prompt, chunk, decode, bs) for b in (exact, lazy))
+    assert got == want
+    assert n_lazy <= n_exact
+
+
+def test_block_slack_defers_decode_evictions_and_parses() -> None:
+    b = vt.Budget(ratio=0.5, slack="block")
+    assert _held_blocks(b, 1000, 128, 512, 32)[1] < _held_blocks(b.override(slack=0), 1000, 128, 512, 32)[1] // 3
+    # seq 80: budget 40 = 2 blocks of 32; 50 live tokens fit in them, 64 fill them, 65 need a third
+    assert [b.should_evict(n, 80, "decode", block_size=32) for n in (40, 50, 63, 64, 65)] == [False] * 3 + [True] * 2
+    assert b.should_evict(50, 80, "decode") and b.override(when="chunks").should_evict(50, 80, "chunk", block_size=32)
+    assert [parse_slack(x) for x in ("block", "0", "32", 7)] == ["block", 0, 32, 7]
+    for bad in ("blocks", "-1", "1.5", -1, True, ""):
+        with pytest.raises(ValueError, match="slack"):
+            parse_slack(bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        vt.Budget(ratio=0.5, slack="blocks")  # type: ignore[arg-type]

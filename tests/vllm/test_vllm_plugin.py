@@ -110,9 +110,10 @@ def test_policy_none_matches_vanilla(tiny: Path) -> None:
     ("h2o", "ordered", 8192, None, None),
     ("h2o", "compact", 32, "chunks", None),  # eviction after every prefill chunk (Budget(when="chunks"))
     ("h2o", "compact", 8192, None, 8),  # slack override: evict once live > budget + 8, down to the budget
+    ("h2o", "compact", 32, "chunks", "block"),  # evict only when a block would be held past the budget's
 ])
 def test_eviction_exact_and_blocks(tiny: Path, policy: str, mode: str, chunk: int, when: str | None,
-                                   slack: int | None) -> None:
+                                   slack: int | str | None) -> None:
     llm = engine(tiny, {"policy": policy, "mode": mode, "debug": True, "when": when, "slack": slack},
                  max_num_batched_tokens=chunk)
     run = runner(llm)
@@ -123,19 +124,25 @@ def test_eviction_exact_and_blocks(tiny: Path, policy: str, mode: str, chunk: in
     assert run.vtoken_counters["tokens_evicted"] > 0 and run.vtoken_counters["policy_failures"] == 0
     assert not bad, bad[:5]
     _check_replay(tiny, run.vtoken_trace, ps, outs, _rid_order(run.vtoken_trace))
-    if when == "chunks":  # no step attends more than the budget of what came before plus its own tokens
+    if when == "chunks" and slack is None:  # no step attends more than the budget of what came before plus its own tokens
         for rid, p in zip(_rid_order(run.vtoken_trace), ps, strict=True):
             tr = run.vtoken_trace[rid]
             live = [int(k.shape[-1]) for _, _, k in tr]
             kept = [min(s, max(_half_up(s), 4 + 32)) for s, _, _ in tr]  # h2o also keeps sinks(4) + recent(32)
             assert live == [k + n for k, (_, n, _) in zip(kept, tr, strict=True)], rid
             assert sum(1 for s, n, _ in tr if 0 < s < len(p)) >= 2, "expected evictions between prompt chunks"
-    if slack:  # decode steps attend to at most budget + slack earlier tokens, and some to more than the budget
-        for rid in _rid_order(run.vtoken_trace):
-            dec = [(s, int(k.shape[-1]) - n) for s, n, k in run.vtoken_trace[rid] if n == 1 and s > 0]
-            budget = [max(_half_up(s), 4 + 32) for s, _ in dec]
+    bs = run.vtoken_cache.block_size
+    for rid in _rid_order(run.vtoken_trace) if slack else ():
+        # decode steps attend to at most budget + slack earlier tokens (slack "block": as many blocks as the
+        # budget, the last one full only at the budget), and some to more than the budget
+        dec = [(s, int(k.shape[-1]) - n) for s, n, k in run.vtoken_trace[rid] if n == 1 and s > 0]
+        budget = [max(_half_up(s), 4 + 32) for s, _ in dec]
+        if slack == "block":
+            assert all(cdiv(live, bs) == cdiv(b, bs) and (live % bs or live == b)
+                       for (_, live), b in zip(dec, budget, strict=True)), rid
+        else:
             assert all(live <= b + slack for (_, live), b in zip(dec, budget, strict=True)), rid
-            assert any(live > b for (_, live), b in zip(dec, budget, strict=True)), rid
+        assert any(live > b for (_, live), b in zip(dec, budget, strict=True)), rid
     sched = scheduler(llm)
     if mode != "naive":  # scattered eviction rarely kills a whole block: naive frees (almost) nothing
         assert sched.vtoken_stats["blocks_freed"] > 0
@@ -294,6 +301,7 @@ def test_engine_args_and_serve_flags() -> None:
 
     b = PluginConfig(**a["additional_config"]["vtoken"]).load_policy().budget
     assert (b.slack, b.when, b.ratio) == (32, "chunks", 0.5)
-    for bad in (-1, 1.5, True, "8"):
+    assert PluginConfig(policy="h2o", slack="block").load_policy().budget.slack == "block"
+    for bad in (-1, 1.5, True, "8", "blocks"):
         with pytest.raises(ValueError, match="slack"):
             vllm_engine_args(policy="h2o", slack=bad)
