@@ -12,6 +12,12 @@ before the next ``schedule()``). When a report arrives the request's tail blocks
 ``cdiv(cache_length, block_size)`` go back to vLLM's block pool (tail first), exactly the blocks the
 worker dropped from its block-table row, and the next ``schedule()`` can admit more requests.
 Preemption (recompute) and finishing free everything as usual and reset ``evicted``.
+
+Admission. vLLM admits a waiting request only if its whole sequence fits (``scheduler_reserve_full_isl``,
+on by default: no over-admission with chunked prefill). With a budget that evicts after every prefill chunk
+(``when="chunks"``) a request never holds its whole prompt: at most its budget plus one chunk. Its admission
+check is made on that peak instead (:meth:`VTokenScheduler.admission_tokens`), the point of evicting during
+prefill; every other request keeps vLLM's check.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from vllm.v1.request import RequestStatus
 
 from vtoken_runtime.token_table import cdiv
 
-from .config import PluginConfig
+from .config import PluginConfig, request_options
 
 log = logging.getLogger("vtoken.vllm")
 
@@ -62,10 +68,23 @@ class VTokenScheduler(Scheduler):
         self._vt_block_size = groups[0].kv_cache_spec.block_size
         self._vt_evicted: dict[str, int] = {}
         self.vtoken_stats = {"reports": 0, "blocks_freed": 0, "max_running": 0}
+        pol = self._vt_cfg.load_policy()
+        self._vt_budget = pol.budget if pol is not None else None
+        sc = vllm_config.scheduler_config
+        lpt = int(getattr(sc, "long_prefill_token_threshold", 0) or 0)
+        self._vt_chunk = min(int(sc.max_num_batched_tokens), lpt) if lpt > 0 else int(sc.max_num_batched_tokens)
         mgr = self.kv_cache_manager
-        orig = mgr.allocate_slots
+        orig, pool = mgr.allocate_slots, mgr.block_pool
 
         def allocate_slots(request: Any, num_new_tokens: int, *a: Any, **kw: Any) -> Any:
+            if kw.get("full_sequence_must_fit"):  # vLLM's admission check of a waiting request
+                peak = self.admission_tokens(request)
+                if peak < int(request.num_tokens):
+                    wm = getattr(mgr, "watermark_blocks", 0) if kw.get("has_scheduled_reqs", True) else 0
+                    free = pool.get_num_free_blocks() - int(kw.get("reserved_blocks", 0))
+                    if cdiv(peak, self._vt_block_size) + wm > free:
+                        return None
+                    kw["full_sequence_must_fit"] = False
             ev = self._vt_evicted.get(request.request_id, 0)
             if not ev:
                 return orig(request, num_new_tokens, *a, **kw)
@@ -76,6 +95,27 @@ class VTokenScheduler(Scheduler):
                 request.num_computed_tokens += ev
 
         mgr.allocate_slots = allocate_slots
+
+    def admission_tokens(self, request: Any) -> int:
+        """The most tokens ``request`` will hold during its (re)prefill of ``n`` tokens: all ``n``, or, when its
+        budget evicts after every prefill chunk of at most ``c`` tokens, ``min(n, budget(n - c) + slack + c)``:
+        after the chunk ending at ``s`` it holds ``budget(s)`` (plus the slack), and the next chunk adds ``x <= c``
+        tokens with ``s + x <= n``; ``budget(s) + x`` is largest at ``s = n - c`` because a budget grows by at most
+        one token per token. The request's own budget options apply; ``slack="block"`` trims chunks as slack 0
+        does; an opted-out request, or options that fail to parse, hold everything."""
+        n = int(request.num_tokens)
+        b = self._vt_budget
+        if b is None or b.when != "chunks":
+            return n
+        try:
+            opts = request_options(getattr(request, "sampling_params", None))
+        except ValueError:
+            return n
+        if not opts.enabled:
+            return n
+        slack = b.slack if isinstance(b.slack, int) else 0
+        c = self._vt_chunk
+        return min(n, b.override(opts.budget_tokens, opts.eviction_ratio).resolve(max(n - c, 0)) + slack + c)
 
     # ------------------------------------------------------------------ bookkeeping
     def evicted_tokens(self, req_id: str) -> int:

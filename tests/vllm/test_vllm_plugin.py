@@ -151,6 +151,38 @@ def test_eviction_exact_and_blocks(tiny: Path, policy: str, mode: str, chunk: in
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
 
 
+def test_chunk_eviction_admits_on_the_budget_peak(tiny: Path) -> None:
+    """vLLM admits a waiting request only if its whole prompt fits (``scheduler_reserve_full_isl``). A budget that
+    evicts after every prefill chunk holds at most budget + one chunk, and the scheduler admits on that: a
+    400-token prompt needs 13 blocks whole, 5 (budget(336) 67 + 64 tokens at eviction ratio 0.8) with chunk eviction, and
+    holds 3 once prefilled; so 24 blocks admit a fourth request at most without it (24 - 3 x 4 < 13) and all six
+    with it. Held blocks stay exact, every request completes. An opted-out request is admitted on its whole
+    sequence."""
+    ps = prompts([400] * 6, seed=3)
+    peak: dict[str, int] = {}
+    for when in ("both", "chunks"):
+        llm = engine(tiny, {"policy": "h2o", "eviction_ratio": 0.8, "when": when, "slack": "block", "debug": True},
+                     blocks=24, max_num_seqs=6, max_num_batched_tokens=64)
+        bad = _watch_blocks(llm, naive=False)
+        outs = generate(llm, ps, 64)
+        assert all(len(o) == 64 for o in outs) and not bad, bad[:5]
+        sched = scheduler(llm)
+        peak[when] = sched.vtoken_stats["max_running"]
+        if when == "chunks":
+            from vllm import SamplingParams
+            from vllm.v1.request import Request
+
+            def req(extra: dict | None) -> Request:
+                sp = SamplingParams(max_tokens=16, extra_args=extra)
+                return Request("r", prompt_token_ids=ps[0], sampling_params=sp, pooling_params=None)
+
+            assert sched.admission_tokens(req(None)) == 67 + 64  # floor(0.2 x 336 + 0.5) + one chunk
+            assert sched.admission_tokens(req({"vtoken_budget_tokens": 100})) == 100 + 64
+            assert sched.admission_tokens(req({"vtoken_enabled": False})) == 400
+        del llm
+    assert peak["both"] <= 4 < peak["chunks"], peak
+
+
 def test_per_request_options_and_mixed_batch(tiny: Path) -> None:
     llm = engine(tiny, {"policy": "h2o", "debug": True})
     run = runner(llm)
