@@ -102,10 +102,11 @@ class VTokenScheduler(Scheduler):
         after the chunk ending at ``s`` it holds ``budget(s)`` (plus the slack), and the next chunk adds ``x <= c``
         tokens with ``s + x <= n``; ``budget(s) + x`` is largest at ``s = n - c`` because a budget grows by at most
         one token per token. The request's own budget options apply; ``slack="block"`` trims chunks as slack 0
-        does; an opted-out request, or options that fail to parse, hold everything."""
+        does; an opted-out request, or options that fail to parse, hold everything, and so does every request in
+        ``naive`` mode (Naive-Evict frees a block only when all its tokens are dead: no budget bounds it)."""
         n = int(request.num_tokens)
         b = self._vt_budget
-        if b is None or b.when != "chunks":
+        if b is None or b.when != "chunks" or self._vt_cfg.mode == "naive":
             return n
         try:
             opts = request_options(getattr(request, "sampling_params", None))

@@ -158,7 +158,15 @@ def test_chunk_eviction_admits_on_the_budget_peak(tiny: Path) -> None:
     holds 3 once prefilled; so 24 blocks admit a fourth request at most without it (24 - 3 x 4 < 13) and all six
     with it. Held blocks stay exact, every request completes. An opted-out request is admitted on its whole
     sequence."""
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
     ps = prompts([400] * 6, seed=3)
+
+    def req(extra: dict | None) -> Request:
+        return Request("r", prompt_token_ids=ps[0], sampling_params=SamplingParams(max_tokens=16, extra_args=extra),
+                       pooling_params=None)
+
     peak: dict[str, int] = {}
     for when in ("both", "chunks"):
         llm = engine(tiny, {"policy": "h2o", "eviction_ratio": 0.8, "when": when, "slack": "block", "debug": True},
@@ -169,17 +177,12 @@ def test_chunk_eviction_admits_on_the_budget_peak(tiny: Path) -> None:
         sched = scheduler(llm)
         peak[when] = sched.vtoken_stats["max_running"]
         if when == "chunks":
-            from vllm import SamplingParams
-            from vllm.v1.request import Request
-
-            def req(extra: dict | None) -> Request:
-                sp = SamplingParams(max_tokens=16, extra_args=extra)
-                return Request("r", prompt_token_ids=ps[0], sampling_params=sp, pooling_params=None)
-
             assert sched.admission_tokens(req(None)) == 67 + 64  # floor(0.2 x 336 + 0.5) + one chunk
             assert sched.admission_tokens(req({"vtoken_budget_tokens": 100})) == 100 + 64
             assert sched.admission_tokens(req({"vtoken_enabled": False})) == 400
         del llm
+    naive = engine(tiny, {"policy": "h2o", "mode": "naive", "eviction_ratio": 0.8, "when": "chunks"}, blocks=24)
+    assert scheduler(naive).admission_tokens(req(None)) == 400  # Naive-Evict: no budget bounds what it holds
     assert peak["both"] <= 4 < peak["chunks"], peak
 
 
