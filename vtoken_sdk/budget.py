@@ -127,3 +127,24 @@ class Budget(BaseModel):
             return True
         # the next step adds one token: it opens a block only if the last one is full
         return live % block_size == 0 or -(-live // block_size) > -(-b // block_size)
+
+    def chunked_prefill_peak(self, n: int, chunk: int) -> int:
+        """The most tokens a request holds while it prefills ``n`` prompt tokens in chunks of at most
+        ``chunk`` tokens (what a scheduler must find room for before it admits the request).
+
+        Without ``when="chunks"`` nothing is evicted before the prompt is complete: ``n``. With it, after the
+        chunk ending at ``s`` the request holds at most ``budget(s) + slack`` (``slack="block"`` trims chunks
+        as slack 0 does, :meth:`should_evict`), and the next chunk adds ``x <= chunk`` tokens with
+        ``s + x <= n``; ``budget(s) + x`` is largest at ``s = n - chunk`` because a budget grows by at most one
+        token per token::
+
+            peak = min(n, budget(n - chunk) + slack + chunk)
+
+        an upper bound for every chunking, reached (slack 0 or ``"block"``) when the last chunk is full.
+        """
+        if n < 0 or chunk < 1:
+            raise ValueError(f"chunked_prefill_peak: got n={n}, chunk={chunk}, expected n >= 0 and chunk >= 1")
+        if self.when != "chunks":
+            return n
+        slack = self.slack if isinstance(self.slack, int) else 0
+        return min(n, self.resolve(max(n - chunk, 0)) + slack + chunk)

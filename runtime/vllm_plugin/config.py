@@ -13,7 +13,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from vtoken_sdk.budget import PHASES_OF
+from vtoken_sdk.budget import PHASES_OF, parse_slack
 
 log = logging.getLogger("vtoken.vllm")
 
@@ -62,9 +62,11 @@ class PluginConfig:
             raise ValueError(f"vtoken: budget_tokens must be >= 1, got {self.budget_tokens}")
         if self.when is not None and self.when not in PHASES_OF:
             raise ValueError(f"vtoken: unknown when {self.when!r}; expected one of {sorted(PHASES_OF)}")
-        if self.slack is not None and self.slack != "block" and (
-                isinstance(self.slack, bool) or not isinstance(self.slack, int) or self.slack < 0):
-            raise ValueError(f"vtoken: slack must be an integer >= 0 (tokens) or 'block', got {self.slack!r}")
+        if self.slack is not None:
+            try:
+                object.__setattr__(self, "slack", parse_slack(self.slack))  # "32" from a JSON string -> 32
+            except ValueError as e:
+                raise ValueError(f"vtoken: {e}") from None
 
     @property
     def enabled(self) -> bool:

@@ -97,13 +97,11 @@ class VTokenScheduler(Scheduler):
         mgr.allocate_slots = allocate_slots
 
     def admission_tokens(self, request: Any) -> int:
-        """The most tokens ``request`` will hold during its (re)prefill of ``n`` tokens: all ``n``, or, when its
-        budget evicts after every prefill chunk of at most ``c`` tokens, ``min(n, budget(n - c) + slack + c)``:
-        after the chunk ending at ``s`` it holds ``budget(s)`` (plus the slack), and the next chunk adds ``x <= c``
-        tokens with ``s + x <= n``; ``budget(s) + x`` is largest at ``s = n - c`` because a budget grows by at most
-        one token per token. The request's own budget options apply; ``slack="block"`` trims chunks as slack 0
-        does; an opted-out request, or options that fail to parse, hold everything, and so does every request in
-        ``naive`` mode (Naive-Evict frees a block only when all its tokens are dead: no budget bounds it)."""
+        """The most tokens ``request`` will hold during its (re)prefill of ``n`` tokens in chunks of at most the
+        step's token budget: :meth:`Budget.chunked_prefill_peak` of its budget with the request's own options
+        (``n`` unless the budget evicts after every prefill chunk). An opted-out request, or options that fail to
+        parse, hold everything, and so does every request in ``naive`` mode (Naive-Evict frees a block only when
+        all its tokens are dead: no budget bounds it)."""
         n = int(request.num_tokens)
         b = self._vt_budget
         if b is None or b.when != "chunks" or self._vt_cfg.mode == "naive":
@@ -114,9 +112,7 @@ class VTokenScheduler(Scheduler):
             return n
         if not opts.enabled:
             return n
-        slack = b.slack if isinstance(b.slack, int) else 0
-        c = self._vt_chunk
-        return min(n, b.override(opts.budget_tokens, opts.eviction_ratio).resolve(max(n - c, 0)) + slack + c)
+        return b.override(opts.budget_tokens, opts.eviction_ratio).chunked_prefill_peak(n, self._vt_chunk)
 
     # ------------------------------------------------------------------ bookkeeping
     def evicted_tokens(self, req_id: str) -> int:

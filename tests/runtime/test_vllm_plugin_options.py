@@ -101,6 +101,11 @@ def test_engine_config_accepts_a_policy_name_and_names_bad_settings() -> None:
     V.additional_config = {"vtoken": 3}
     with pytest.raises(ValueError, match="policy name or a mapping"):
         PluginConfig.from_vllm_config(V())
+    # slack follows vtoken_sdk.budget.parse_slack (the CLI's rule): "block" or tokens, JSON strings of digits too
+    assert [PluginConfig(policy="h2o", slack=x).slack for x in ("block", 0, 32, "32")] == ["block", 0, 32, 32]
+    for bad in (-1, 1.5, True, "blocks", ""):
+        with pytest.raises(ValueError, match=r"^vtoken: slack: got"):
+            PluginConfig(policy="h2o", slack=bad)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("v", [float("inf"), float("-inf"), float("nan"), 2**80, 1e300])

@@ -217,3 +217,52 @@ def test_block_slack_defers_decode_evictions_and_parses() -> None:
             parse_slack(bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         vt.Budget(ratio=0.5, slack="blocks")  # type: ignore[arg-type]
+
+
+def _prefill_peak(b: vt.Budget, chunks: list[int]) -> int:
+    """Simulate a chunked prefill under ``b`` (eviction down to the budget whenever ``should_evict`` says so
+    after a chunk): the most tokens held, counted when each chunk's tokens are reserved."""
+    live = seq = peak = 0
+    for i, x in enumerate(chunks):
+        live, seq = live + x, seq + x
+        peak = max(peak, live)
+        if b.should_evict(live, seq, "prefill" if i == len(chunks) - 1 else "chunk", block_size=16):
+            live = b.resolve(seq)
+    return peak
+
+
+@settings(max_examples=300, deadline=None)
+@given(size=st.one_of(dyadic_ratios(), st.integers(1, 300)), min_tokens=MIN_TOKENS,
+       when=st.sampled_from(["both", "prefill", "chunks"]), slack=st.one_of(st.integers(0, 40), st.just("block")),
+       n=st.integers(0, 700), chunk=st.integers(1, 256), data=st.data())
+def test_chunked_prefill_peak_bounds_every_chunking(size: tuple[int, int] | int, min_tokens: int, when: str,
+                                                    slack: int | str, n: int, chunk: int, data: st.DataObject) -> None:
+    """No chunking of the prompt into chunks of at most ``chunk`` tokens holds more than the peak, and the
+    chunking whose last chunk is full reaches it (slack 0 or "block": chunks are trimmed down to the budget)."""
+    kw = {"tokens": size} if isinstance(size, int) else {"ratio": size[0] / 2**size[1]}
+    b = vt.Budget(**kw, min_tokens=min_tokens, when=when, slack=slack)  # type: ignore[arg-type]
+    peak = b.chunked_prefill_peak(n, chunk)
+    cuts: list[int] = []
+    left = n
+    while left > 0:  # any chunking: sizes in [1, chunk]
+        cuts.append(data.draw(st.integers(1, min(chunk, left))))
+        left -= cuts[-1]
+    assert _prefill_peak(b, cuts) <= peak <= n
+    k = -(-n // chunk)
+    last_full = [n - (k - 1) * chunk] + [chunk] * (k - 1) if n else []
+    if slack in (0, "block") or when != "chunks":
+        assert _prefill_peak(b, last_full) == peak
+
+
+def test_chunked_prefill_peak_hand_picked() -> None:
+    b = vt.Budget.evict(0.8, when="chunks")
+    assert b.chunked_prefill_peak(400, 64) == 67 + 64  # floor(0.2 x 336 + 0.5) + one chunk
+    assert b.override(slack=8).chunked_prefill_peak(400, 64) == 67 + 8 + 64
+    assert b.override(slack="block").chunked_prefill_peak(400, 64) == 67 + 64  # chunks trimmed as slack 0
+    assert b.override(tokens=100).chunked_prefill_peak(400, 64) == 100 + 64
+    assert b.chunked_prefill_peak(100, 64) == 7 + 64 and b.chunked_prefill_peak(50, 64) == 50  # one chunk: all of it
+    assert b.chunked_prefill_peak(0, 64) == 0
+    assert b.override(when="both").chunked_prefill_peak(400, 64) == 400  # nothing evicted before the prompt ends
+    for n, c in ((-1, 64), (400, 0)):
+        with pytest.raises(ValueError, match="chunked_prefill_peak"):
+            b.chunked_prefill_peak(n, c)

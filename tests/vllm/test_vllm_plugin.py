@@ -337,6 +337,7 @@ def test_engine_args_and_serve_flags() -> None:
     b = PluginConfig(**a["additional_config"]["vtoken"]).load_policy().budget
     assert (b.slack, b.when, b.ratio) == (32, "chunks", 0.5)
     assert PluginConfig(policy="h2o", slack="block").load_policy().budget.slack == "block"
-    for bad in (-1, 1.5, True, "8", "blocks"):
+    assert PluginConfig(policy="h2o", slack="8").slack == 8  # the CLI's rule (parse_slack): digits are tokens
+    for bad in (-1, 1.5, True, "-8", "blocks"):
         with pytest.raises(ValueError, match="slack"):
             vllm_engine_args(policy="h2o", slack=bad)
