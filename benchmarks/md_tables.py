@@ -36,9 +36,21 @@ def evaluation(d: dict) -> str:
     return "\n".join(out)
 
 
-def _sp(d: dict, key: str) -> str:
+def spread_text(d: dict, key: str) -> str:
+    """``[min, max]`` of ``d[key + "_spread"]`` (the spread over a benchmark's rounds)."""
     sp = d.get(f"{key}_spread") or {}
     return f"[{sp.get('min')}, {sp.get('max')}]"
+
+
+def stats_cost_text(s: dict) -> str:
+    """The statistics cost (``bench serve``'s ``stats_cost``: H2O vs policy none, paired rounds) in one line, as
+    both the markdown report and ``vtoken-cli bench serve`` print it."""
+    return (f"H2O ({s['mode']} {s['eviction_ratio']}) vs policy none ({s['rounds']} rounds, {s['requests']} request(s)): "
+            f"{s['h2o_s']} s vs {s['none_s']} s = {s['ratio']}x {spread_text(s, 'ratio')} wall, {s['ratio_cpu']}x "
+            f"{spread_text(s, 'ratio_cpu')} CPU"
+            + (f"; H2O with slack {s['slack_variant']}: {s['h2o_slack_s']} s = {s['ratio_slack']}x "
+               f"{spread_text(s, 'ratio_slack')} wall, {s['ratio_slack_cpu']}x {spread_text(s, 'ratio_slack_cpu')} CPU"
+               if "ratio_slack" in s else ""))
 
 
 def serve(d: dict) -> str:
@@ -63,20 +75,15 @@ def serve(d: dict) -> str:
     t = d.get("throughput")
     if t:
         out.append(f"\nclosed loop, {t['rounds']} lockstep rounds: vanilla {t['vanilla_tok_s']} tok/s "
-                   f"{_sp(t, 'vanilla_tok_s')}, vToken H2O {t['eviction_ratio']} {t['vtoken_tok_s']} tok/s "
-                   f"{_sp(t, 'vtoken_tok_s')}: {t['ratio']}x {_sp(t, 'ratio')}")
+                   f"{spread_text(t, 'vanilla_tok_s')}, vToken H2O {t['eviction_ratio']} {t['vtoken_tok_s']} tok/s "
+                   f"{spread_text(t, 'vtoken_tok_s')}: {t['ratio']}x {spread_text(t, 'ratio')}")
     o, s = d["overhead"], d["stats_cost"]
     out.append(f"\noverhead, policy none vs vanilla ({o['rounds']} interleaved rounds, {o['requests']} request(s)): "
-               f"vanilla {o['vanilla_tok_s']} tok/s {_sp(o, 'vanilla_tok_s')}, plugin {o['plugin_none_tok_s']} tok/s "
-               f"{_sp(o, 'plugin_none_tok_s')}: {o['overhead_pct']}% {_sp(o, 'overhead_pct')} wall, "
-               f"{o['overhead_pct_cpu']}% {_sp(o, 'overhead_pct_cpu')} CPU; A/A control {o.get('aa_pct_cpu')}% "
-               f"{_sp(o, 'aa_pct_cpu')}; indirection {o.get('indirection_ms_per_step')} ms of a {o.get('step_ms')} ms step")
-    out.append(f"\nstatistics cost, H2O {s['eviction_ratio']} vs policy none ({s['rounds']} rounds, {s['requests']} "
-               f"request(s)): {s['h2o_s']} s vs {s['none_s']} s = {s['ratio']}x {_sp(s, 'ratio')} wall, "
-               f"{s['ratio_cpu']}x {_sp(s, 'ratio_cpu')} CPU"
-               + (f"; H2O with slack {s['slack_variant']}: {s['h2o_slack_s']} s = {s['ratio_slack']}x "
-                  f"{_sp(s, 'ratio_slack')} wall, {s['ratio_slack_cpu']}x {_sp(s, 'ratio_slack_cpu')} CPU"
-                  if "ratio_slack" in s else ""))
+               f"vanilla {o['vanilla_tok_s']} tok/s {spread_text(o, 'vanilla_tok_s')}, plugin {o['plugin_none_tok_s']} tok/s "
+               f"{spread_text(o, 'plugin_none_tok_s')}: {o['overhead_pct']}% {spread_text(o, 'overhead_pct')} wall, "
+               f"{o['overhead_pct_cpu']}% {spread_text(o, 'overhead_pct_cpu')} CPU; A/A control {o.get('aa_pct_cpu')}% "
+               f"{spread_text(o, 'aa_pct_cpu')}; indirection {o.get('indirection_ms_per_step')} ms of a {o.get('step_ms')} ms step")
+    out.append(f"\nstatistics cost, {stats_cost_text(s)}")
     return "\n".join(out)
 
 

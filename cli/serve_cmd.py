@@ -15,6 +15,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from vtoken_bench.md_tables import spread_text, stats_cost_text
+
 out = Console(width=None if sys.stdout.isatty() else 180)
 err = Console(stderr=True)
 
@@ -79,12 +81,7 @@ def _fmt(x: Any, spec: str = "g") -> str:
 
 def print_stats_cost(s: dict[str, Any], c: dict[str, Any]) -> None:
     """The statistics cost line (H2O vs policy none, paired rounds) and where H2O's extra time went."""
-    out.print(f"stats cost, H2O ({s['mode']} {s['eviction_ratio']}) vs policy none: {s['h2o_s']} s vs {s['none_s']} s "
-              f"= {s['ratio']}x {_sp(s, 'ratio')} wall, {s['ratio_cpu']}x {_sp(s, 'ratio_cpu')} CPU time "
-              f"(statistics backend: {c.get('stats_backend')})"
-              + (f"; with slack {s['slack_variant']} {s['h2o_slack_s']} s = {s['ratio_slack']}x "
-                 f"{_sp(s, 'ratio_slack')} wall, {s['ratio_slack_cpu']}x {_sp(s, 'ratio_slack_cpu')} CPU"
-                 if "ratio_slack" in s else ""))
+    out.print(f"stats cost, {stats_cost_text(s)} (statistics backend: {c.get('stats_backend')})")
     if hp := s.get("h2o_parts"):
         ev = max(1.0, hp["evictions"])
         out.print(f"  H2O's extra time, per run (medians): statistics {hp['statistics_s']} s; {hp['evictions']:.0f} "
@@ -158,9 +155,9 @@ def print_report(result: dict[str, Any]) -> None:
     o, s, t = result["overhead"], result["stats_cost"], result.get("throughput")
     if t:
         out.print(f"closed-loop throughput, {t['rounds']} lockstep rounds of the {t['requests']} requests: vanilla "
-                  f"{t['vanilla_tok_s']} tok/s {_sp(t, 'vanilla_tok_s')}, vToken H2O {t['eviction_ratio']} "
-                  f"{t['vtoken_tok_s']} tok/s {_sp(t, 'vtoken_tok_s')}: {t['ratio']}x {_sp(t, 'ratio')} wall, "
-                  f"{t['ratio_cpu']}x {_sp(t, 'ratio_cpu')} CPU time")
+                  f"{t['vanilla_tok_s']} tok/s {spread_text(t, 'vanilla_tok_s')}, vToken H2O {t['eviction_ratio']} "
+                  f"{t['vtoken_tok_s']} tok/s {spread_text(t, 'vtoken_tok_s')}: {t['ratio']}x {spread_text(t, 'ratio')} wall, "
+                  f"{t['ratio_cpu']}x {spread_text(t, 'ratio_cpu')} CPU time")
     out.print(_slo_line(c))
     for r in result["rows"]:
         if r.get("goodput_search"):
@@ -168,8 +165,8 @@ def print_report(result: dict[str, Any]) -> None:
                       f"(missed TTFT / TPOT, running peak): {_probes(r['goodput_search'])}")
     out.print(f"overhead, policy none vs vanilla ({o['rounds']} interleaved rounds of {o['requests']} request(s)"
               f"{', engines rebuilt every round' if o.get('rebuilt_per_round') else ''}): "
-              f"vanilla {o['vanilla_tok_s']} tok/s {_sp(o, 'vanilla_tok_s')}, plugin {o['plugin_none_tok_s']} tok/s "
-              f"{_sp(o, 'plugin_none_tok_s')}: {_pct(o, 'overhead_pct')} wall, {_pct(o, 'overhead_pct_cpu')} CPU time, "
+              f"vanilla {o['vanilla_tok_s']} tok/s {spread_text(o, 'vanilla_tok_s')}, plugin {o['plugin_none_tok_s']} tok/s "
+              f"{spread_text(o, 'plugin_none_tok_s')}: {_pct(o, 'overhead_pct')} wall, {_pct(o, 'overhead_pct_cpu')} CPU time, "
               f"{_pct(o, 'overhead_pct_bracketed_cpu')} against the vanilla engines built before and after it; "
               f"A/A control (two vanilla engines): {_pct(o, 'aa_pct_cpu')}; indirection "
               f"{o['indirection_ms_per_step']} ms of a {o['step_ms']} ms step")
@@ -178,13 +175,8 @@ def print_report(result: dict[str, Any]) -> None:
               "concurrency, 1.37x SLA throughput, < 1% overhead")
 
 
-def _sp(d: dict[str, Any], key: str) -> str:
-    sp = d.get(f"{key}_spread") or {}
-    return f"[{sp.get('min')}, {sp.get('max')}]"
-
-
 def _pct(d: dict[str, Any], key: str) -> str:
-    return f"{d.get(key)}% {_sp(d, key)}"
+    return f"{d.get(key)}% {spread_text(d, key)}"
 
 
 def serve(
