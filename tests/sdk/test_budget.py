@@ -172,22 +172,27 @@ def test_override_keeps_or_replaces_slack() -> None:
     assert s.resolve(100) == b.resolve(100) == 50
 
 
-def _held_blocks(b: vt.Budget, prompt: int, chunk: int, decode: int, bs: int) -> tuple[list[int], int]:
-    """Simulate one request under ``b`` (chunked prefill of ``chunk`` tokens, then ``decode`` one-token
-    steps, eviction down to the budget whenever ``should_evict`` says so): the blocks it needs at every
-    reservation and holds after every step, and how many evictions ran."""
+def _simulate(b: vt.Budget, chunks: list[int], decode: int, bs: int) -> tuple[list[int], int]:
+    """Simulate one request under ``b``: a prefill in ``chunks`` (tokens per step), then ``decode`` one-token
+    steps, eviction down to the budget whenever ``should_evict`` says so. Returns the blocks it needs at every
+    reservation and holds after every step (interleaved), and how many evictions ran."""
     live = seq = 0
     held: list[int] = []
     evictions = 0
-    steps = [min(chunk, prompt - i) for i in range(0, prompt, chunk)] + [1] * decode
-    for i, n in enumerate(steps):
+    prompt = sum(chunks)
+    for i, n in enumerate([*chunks, *[1] * decode]):
         held.append(-(-(live + n) // bs))  # at the reservation of the step's tokens
         live, seq = live + n, seq + n
-        phase = "decode" if i >= len(steps) - decode else ("prefill" if seq == prompt else "chunk")
+        phase = "decode" if i >= len(chunks) else ("prefill" if seq == prompt else "chunk")
         if b.should_evict(live, seq, phase, block_size=bs):
             live, evictions = b.resolve(seq), evictions + 1
         held.append(-(-live // bs))  # after the step's eviction
     return held, evictions
+
+
+def _held_blocks(b: vt.Budget, prompt: int, chunk: int, decode: int, bs: int) -> tuple[list[int], int]:
+    """:func:`_simulate` with the prompt in chunks of ``chunk`` tokens (the last one partial)."""
+    return _simulate(b, [min(chunk, prompt - i) for i in range(0, prompt, chunk)], decode, bs)
 
 
 @settings(max_examples=300, deadline=None)
@@ -220,15 +225,9 @@ def test_block_slack_defers_decode_evictions_and_parses() -> None:
 
 
 def _prefill_peak(b: vt.Budget, chunks: list[int]) -> int:
-    """Simulate a chunked prefill under ``b`` (eviction down to the budget whenever ``should_evict`` says so
-    after a chunk): the most tokens held, counted when each chunk's tokens are reserved."""
-    live = seq = peak = 0
-    for i, x in enumerate(chunks):
-        live, seq = live + x, seq + x
-        peak = max(peak, live)
-        if b.should_evict(live, seq, "prefill" if i == len(chunks) - 1 else "chunk", block_size=16):
-            live = b.resolve(seq)
-    return peak
+    """The most tokens held during a prefill in ``chunks`` (:func:`_simulate` with one-token blocks, counted
+    when each chunk's tokens are reserved)."""
+    return max(_simulate(b, chunks, 0, 1)[0][::2], default=0)
 
 
 @settings(max_examples=300, deadline=None)
