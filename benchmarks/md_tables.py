@@ -31,7 +31,7 @@ def evaluation(d: dict) -> str:
            "| passkey, question after eviction |",
            "|---|---|---|---|---|---|"]
     for r in d["rows"]:
-        out.append(f"| {r['policy']} | {r['eviction_ratio']} | {r['perplexity_once']:.2f} | {r['perplexity_decode']:.2f} | "
+        out.append(f"| {r['policy']} | {r['eviction_ratio']} | {_ppl(r['perplexity_once'])} | {_ppl(r['perplexity_decode'])} | "
                    f"{100 * r['passkey_in_prompt']:.0f}% | {100 * r['passkey_after_eviction']:.0f}% |")
     return "\n".join(out)
 
@@ -101,3 +101,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def _ppl(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"

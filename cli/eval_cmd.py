@@ -36,9 +36,16 @@ def evaluate(
                                                          "values: held-out text to design a policy on)")] = 60_000,
     filler_offset: Annotated[int, typer.Option(min=0, help="essay token offset of the passkey fillers")
                              ] = 20_000,
+    protocols: Annotated[str, typer.Option(help="perplexity protocols, comma-separated: once (evict once after the "
+                                                "context, score the continuation in one forward) and/or every-step "
+                                                "(teacher-forced, evicting every step); once alone is ~5x faster "
+                                                "(many windows)")] = "once,every-step",
+    paired_with: Annotated[str | None, typer.Option(help="also compare every row with this policy window by window "
+                                                         "(mean log-perplexity difference, standard error, windows "
+                                                         "lower); it must be among --policies")] = None,
 ) -> None:
     """Quality under eviction: full cache vs each policy at each eviction ratio."""
-    from vtoken_bench.eval_quality import plot_eval, run_eval, write_json
+    from vtoken_bench.eval_quality import PROTOCOLS, paired, plot_eval, run_eval, write_json
 
     try:
         pol = tuple(p.strip() for p in policies.split(",") if p.strip())
@@ -48,6 +55,13 @@ def evaluate(
     except ValueError as e:
         err.print(f"bad option value: {e}")
         raise typer.Exit(2) from None
+    prots = tuple(p.strip() for p in protocols.split(",") if p.strip())
+    if not prots or any(p not in PROTOCOLS for p in prots):
+        err.print(f"bad option value: --protocols {protocols!r}; expected one or both of {', '.join(PROTOCOLS)}")
+        raise typer.Exit(2)
+    if paired_with is not None and paired_with not in pol:
+        err.print(f"bad option value: --paired-with {paired_with!r} is not among --policies; add it there")
+        raise typer.Exit(2)
     if when not in ("prefill", "chunks"):
         err.print(f"bad option value: --when {when!r}; expected prefill or chunks")
         raise typer.Exit(2)
@@ -57,7 +71,8 @@ def evaluate(
     try:
         with Progress(console=err, transient=True) as progress:
             result = run_eval(pol, rts, ctx, cont, nreq, pls, dps, progress=progress, when=when,
-                              chunk_size=chunk_size, window_offset=window_offset, filler_offset=filler_offset)
+                              chunk_size=chunk_size, window_offset=window_offset, filler_offset=filler_offset,
+                              protocols=prots)
     except ValueError as e:  # an unknown policy or a bad policy file (file:line)
         err.print(f"eval: {e}", markup=False, highlight=False)
         raise typer.Exit(1) from None
@@ -69,13 +84,28 @@ def evaluate(
               "passkey (question after eviction)"):
         table.add_column(c, justify="right")
     for r in result["rows"]:
-        table.add_row(r["policy"], f"{r['eviction_ratio']:.1f}", f"{r['perplexity_once']:.2f}",
-                      f"{r['perplexity_decode']:.2f}",
+        table.add_row(r["policy"], f"{r['eviction_ratio']:.1f}", _ppl(r["perplexity_once"]),
+                      _ppl(r["perplexity_decode"]),
                       f"{100 * r['passkey_in_prompt']:.0f}%", f"{100 * r['passkey_after_eviction']:.0f}%")
     out.print(table)
+    if paired_with is not None:
+        prot = "every-step" if "every-step" in prots else "once"
+        result["paired"] = paired(result, paired_with, prot)
+        pt = Table(title=f"window by window against {paired_with} ({prot}; {nreq} windows): mean difference of log "
+                         "perplexity (< 0: lower than the reference) +- its standard error")
+        for c in ("policy", "evict", "mean d log ppl", "+- se", "windows lower"):
+            pt.add_column(c, justify="right")
+        for q in result["paired"]:
+            pt.add_row(q["policy"], f"{q['eviction_ratio']:.1f}", f"{q['mean_dlogppl']:+.4f}", f"{q['se']:.4f}",
+                       f"{q['lower']}/{q['windows']}")
+        out.print(pt)
     out.print(f"{result['seconds']} s")
     plot_eval(result, plot)
     err.print(f"plot: {plot}")
     if as_json:
         write_json(result, as_json)
         err.print(f"json: {as_json}")
+
+
+def _ppl(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"

@@ -84,6 +84,32 @@ def test_eval_takes_a_policy_file_and_held_out_offsets(tmp_path: Path) -> None:
     assert f"{bad}:4" in res.output and "Traceback" not in res.output
 
 
+def test_eval_once_protocol_alone_and_paired_windows(tmp_path: Path) -> None:
+    """``--protocols once`` skips the token-by-token continuation and gives the evict-once figures of a run
+    with both protocols; ``--paired-with`` compares every row with a reference window by window."""
+    args = ["eval", "--policies", "streaming_llm,snapkv", "--ratios", "0.5", "--context", "96", "--continuation",
+            "6", "--requests", "2", "--passkey-lengths", "300", "--depths", "0.5", "--plot", str(tmp_path / "e.png")]
+    res = runner.invoke(app, [*args, "--protocols", "once", "--paired-with", "snapkv", "--json", str(tmp_path / "1.json")])
+    assert res.exit_code == 0, res.output
+    assert "window by window against snapkv (once; 2 windows)" in " ".join(res.stdout.split())
+    one = json.loads((tmp_path / "1.json").read_text())
+    assert one["protocols"] == ["once"]
+    res = runner.invoke(app, [*args, "--json", str(tmp_path / "2.json")])
+    assert res.exit_code == 0, res.output
+    both = {r["policy"]: r for r in json.loads((tmp_path / "2.json").read_text())["rows"]}
+    for r in one["rows"]:
+        assert r["perplexity_decode"] is None and r["perplexity_decode_windows"] == []
+        assert r["perplexity"] == r["perplexity_once"] == both[r["policy"]]["perplexity_once"]
+        assert r["perplexity_once_windows"] == both[r["policy"]]["perplexity_once_windows"]
+        assert len(r["perplexity_once_windows"]) == 2
+    pr = {q["policy"]: q for q in one["paired"]}
+    assert pr["snapkv"]["mean_dlogppl"] == 0.0 and pr["snapkv"]["lower"] == 0
+    assert pr["streaming_llm"]["windows"] == 2 and pr["streaming_llm"]["reference"] == "snapkv"
+    for bad, why in ((["--protocols", "twice"], "--protocols 'twice'"), (["--paired-with", "h2o"], "not among")):
+        res = runner.invoke(app, [*args, *bad])
+        assert res.exit_code == 2 and why in res.output and "Traceback" not in res.output
+
+
 @pytest.mark.vllm
 def test_bench_serve_tiny_trace_json_schema_and_gains(tmp_path: Path) -> None:
     """A tiny configuration of `bench serve` (short prompts, chunk 64, three requests per goodput probe):
