@@ -224,8 +224,9 @@ def _run_group(model: Any, tok: Any, configs: list[Config], context: int, contin
 def paired(result: dict[str, Any], reference: str, protocol: str = "once") -> list[dict[str, Any]]:
     """Each row against the ``reference`` policy's row at the same eviction ratio (the ``full`` row against
     the reference's first ratio), window by window: ``d_i = log ppl_i(row) - log ppl_i(reference)`` over the
-    shared windows (from the per-window figures, rounded to 3 decimals), reported as ``mean_dlogppl`` (< 0: the row is better), its standard error ``se`` (sample
-    standard deviation / sqrt(n); 0 for one window) and ``lower`` (windows where the row is lower).
+    shared windows (from the per-window figures, rounded to 3 decimals), reported as ``mean_dlogppl`` (< 0:
+    the row is better), its standard error ``se`` (sample standard deviation / sqrt(n); 0 for one window)
+    and ``lower`` (windows where the row is lower).
     ``protocol``: ``once`` or ``every-step``. Raises ``ValueError`` if the reference or the protocol's
     per-window figures are missing."""
     import math

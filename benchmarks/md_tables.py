@@ -24,6 +24,11 @@ def blocks(d: dict) -> str:
     return "\n".join(out)
 
 
+def ppl_text(x: float | None) -> str:
+    """A perplexity with two decimals, ``-`` for a protocol that did not run (``eval --protocols``)."""
+    return "-" if x is None else f"{x:.2f}"
+
+
 def evaluation(d: dict) -> str:
     out = [f"model: {d['model']}; perplexity of {d['continuation']} tokens after a {d['context']}-token context "
            f"({d['ppl_requests']} windows); passkey cases: {len(d['passkey_cases']) // 2} per mode; {d['seconds']} s\n",
@@ -31,7 +36,8 @@ def evaluation(d: dict) -> str:
            "| passkey, question after eviction |",
            "|---|---|---|---|---|---|"]
     for r in d["rows"]:
-        out.append(f"| {r['policy']} | {r['eviction_ratio']} | {_ppl(r['perplexity_once'])} | {_ppl(r['perplexity_decode'])} | "
+        out.append(f"| {r['policy']} | {r['eviction_ratio']} | {ppl_text(r['perplexity_once'])} | "
+                   f"{ppl_text(r['perplexity_decode'])} | "
                    f"{100 * r['passkey_in_prompt']:.0f}% | {100 * r['passkey_after_eviction']:.0f}% |")
     return "\n".join(out)
 
@@ -101,7 +107,3 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-
-
-def _ppl(x: float | None) -> str:
-    return "-" if x is None else f"{x:.2f}"

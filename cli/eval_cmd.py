@@ -46,6 +46,7 @@ def evaluate(
 ) -> None:
     """Quality under eviction: full cache vs each policy at each eviction ratio."""
     from vtoken_bench.eval_quality import PROTOCOLS, paired, plot_eval, run_eval, write_json
+    from vtoken_bench.md_tables import ppl_text
 
     try:
         pol = tuple(p.strip() for p in policies.split(",") if p.strip())
@@ -84,8 +85,8 @@ def evaluate(
               "passkey (question after eviction)"):
         table.add_column(c, justify="right")
     for r in result["rows"]:
-        table.add_row(r["policy"], f"{r['eviction_ratio']:.1f}", _ppl(r["perplexity_once"]),
-                      _ppl(r["perplexity_decode"]),
+        table.add_row(r["policy"], f"{r['eviction_ratio']:.1f}", ppl_text(r["perplexity_once"]),
+                      ppl_text(r["perplexity_decode"]),
                       f"{100 * r['passkey_in_prompt']:.0f}%", f"{100 * r['passkey_after_eviction']:.0f}%")
     out.print(table)
     if paired_with is not None:
@@ -105,7 +106,3 @@ def evaluate(
     if as_json:
         write_json(result, as_json)
         err.print(f"json: {as_json}")
-
-
-def _ppl(x: float | None) -> str:
-    return "-" if x is None else f"{x:.2f}"
