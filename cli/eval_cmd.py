@@ -38,8 +38,8 @@ def evaluate(
                              ] = 20_000,
     protocols: Annotated[str, typer.Option(help="perplexity protocols, comma-separated: once (evict once after the "
                                                 "context, score the continuation in one forward) and/or every-step "
-                                                "(teacher-forced, evicting every step); once alone is ~5x faster "
-                                                "(many windows)")] = "once,every-step",
+                                                "(teacher-forced, evicting every step); once alone skips the "
+                                                "token-by-token continuation, most of a window's time")] = "once,every-step",
     paired_with: Annotated[str | None, typer.Option(help="also compare every row with this policy window by window "
                                                          "(mean log-perplexity difference, standard error, windows "
                                                          "lower); it must be among --policies")] = None,
