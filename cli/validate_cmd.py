@@ -45,8 +45,11 @@ def validate(
     Each file is loaded and checked in a child process: a file that loops forever is
     stopped after --timeout seconds (a policy whose checks hang, after --check-timeout),
     and one that exits or crashes the interpreter is reported; the other files are still
-    checked. Exit code 0 when everything passes, 1 when a check or a definition fails,
-    2 on usage errors (a missing file, a directory).
+    checked. Each check ends PASS, FAIL or SKIP (it did not run here, e.g. backend_equal
+    without CUDA or TRITON_INTERPRET=1; the detail says why); the last line counts each,
+    and --json gives every row a "status" and the counts ("passed", "failed", "skipped").
+    Exit code 0 when nothing failed, 1 when a check or a definition fails, 2 on usage
+    errors (a missing file, a directory).
     """
     problems = [(f, why) for f in files if (why := _not_a_policy_file(f)) is not None]
     if problems:
@@ -71,32 +74,37 @@ def validate(
                     continue
                 failed = True
                 err.print(f"[bold red]error[/] {escape(e.render())}", highlight=False, markup=True, soft_wrap=True)
-                rows.append({"file": str(f), "policy": None, "check": e.check, "ok": False, "detail": e.message,
+                rows.append({"file": str(f), "policy": None, "check": e.check, "status": "fail", "detail": e.message,
                              "location": e.location, "hint": e.hint})
                 continue
             pol_name, pol_line, r = event
             loc = f"{f}:{r['line'] or pol_line}"
-            rows.append({"file": str(f), "policy": pol_name, "check": r["name"], "ok": r["ok"], "detail": r["detail"],
-                         "example": r["example"] or None, "location": loc})
-            if not r["ok"]:
+            rows.append({"file": str(f), "policy": pol_name, "check": r["name"], "status": r["status"],
+                         "detail": r["detail"], "example": r["example"] or None, "location": loc})
+            if r["status"] == "fail":
                 failed = True
                 err.print(f"[bold red]FAIL[/] {loc}: policy {pol_name!r} check {r['name']}: {r['detail']}",
                           highlight=False, soft_wrap=True)
                 if r["example"]:
                     err.print(f"  falsifying example: {r['example']}", highlight=False, soft_wrap=True)
+    counts = {word: sum(r["status"] == st for r in rows) for st, word in _COUNTED}
     if as_json:
-        sys.stdout.write(json.dumps({"ok": not failed, "checks": CHECKS, "results": rows}, indent=2) + "\n")
+        sys.stdout.write(json.dumps({"ok": not failed, **counts, "checks": CHECKS, "results": rows}, indent=2) + "\n")
     else:
         table = Table(title="vtoken-cli validate", show_lines=False)
         for col in ("file", "policy", "check", "result", "detail"):
             table.add_column(col, overflow="fold")
         for r in rows:
-            table.add_row(str(r["file"]), str(r["policy"] or "-"), str(r["check"]),
-                          "[green]PASS[/]" if r["ok"] else "[red]FAIL[/]", str(r["detail"])[:120])
+            table.add_row(str(r["file"]), str(r["policy"] or "-"), str(r["check"]), _SHOWN[str(r["status"])],
+                          str(r["detail"])[:120])
         out.print(table)
-        n_fail = sum(1 for r in rows if not r["ok"])
-        out.print(f"{len(rows) - n_fail} passed, {n_fail} failed")
+        out.print(", ".join(f"{n} {word}" for word, n in counts.items()))
     raise typer.Exit(1 if failed else 0)
+
+
+# a result row's status: how the table shows it, and the word of the closing count line / the JSON key
+_SHOWN = {"pass": "[green]PASS[/]", "fail": "[red]FAIL[/]", "skip": "[yellow]SKIP[/]"}
+_COUNTED = (("pass", "passed"), ("fail", "failed"), ("skip", "skipped"))
 
 
 def _not_a_policy_file(f: Path) -> str | None:
@@ -198,7 +206,7 @@ def _run_child(f: Path, examples: int, timeout: float, check_timeout: float, fir
                     return None
                 i, check = current
                 name, pol_line = policies[i]
-                yield name, pol_line, {"name": check, "ok": False, "detail": why, "example": "", "line": line}
+                yield name, pol_line, {"name": check, "status": "fail", "detail": why, "example": "", "line": line}
                 return i + 1 if i + 1 < len(policies) else None
             kind = msg[0]
             if kind == "ready":
@@ -323,10 +331,11 @@ def _child(conn: Any, path: str, examples: int, timeout: float, check_timeout: f
             for i, pol in enumerate(loaded.policies[first:], start=first):
                 conn.send(("policy", i))
                 faulthandler.dump_traceback_later(check_timeout, exit=True, file=dump)
+                failing: list[object] = []  # one policy's falsifying examples, tried first by its later checks
                 for name in CHECKS:
                     conn.send(("check", i, name))
-                    for r in run_checks(pol, examples=examples, only=(name,)).results:
-                        conn.send(("result", i, {"name": r.name, "ok": r.ok, "detail": r.detail,
+                    for r in run_checks(pol, examples=examples, only=(name,), failing=failing).results:
+                        conn.send(("result", i, {"name": r.name, "status": r.status, "detail": r.detail,
                                                  "example": r.example, "line": r.line}))
                 faulthandler.cancel_dump_traceback_later()
         conn.send(("done",))

@@ -8,11 +8,16 @@ Error convention used across the runtime:
   * caller misuse (unknown request, ...)  -> ``ValueError`` with a message naming the request
   * a broken invariant (a bug in here)    -> ``InvariantError`` (a ``RuntimeError``) whose message
                                             starts with the invariant's name, e.g. "I2 violated: ..."
+
+:func:`runtime_fault` tells these runtime faults (and device errors) from errors of user code: the eviction
+driver isolates the second kind per request and lets the first propagate.
 """
 
 from __future__ import annotations
 
 import os
+
+import torch
 
 INVARIANTS = {
     "I1": "token conservation: every live token's K/V bytes and stats survive moves",
@@ -43,3 +48,27 @@ def check(cond: bool, invariant: str, detail: str) -> None:
     """Raise :class:`InvariantError` for ``invariant`` unless ``cond``."""
     if not cond:
         raise InvariantError(invariant, detail)
+
+
+# messages of device errors torch raises as a plain RuntimeError (older builds, CUDA libraries, Triton launches)
+_DEVICE_ERROR_MARKS = ("CUDA error", "CUDA out of memory", "device-side assert", "CUBLAS_STATUS", "CUDNN_STATUS",
+                       "cuDNN error", "HIP error", "NCCL error", "Triton Error [CUDA]")
+
+
+def runtime_fault(e: BaseException) -> BaseException | None:
+    """The error no policy code causes and no fallback repairs, found in ``e`` or the errors it was raised
+    from (a policy wrapper re-raises what the policy hit ``from`` it), or None: a broken invariant
+    (:class:`InvariantError`), out of memory (host or device), a device error (``torch.AcceleratorError``, or
+    a ``RuntimeError`` carrying a CUDA / HIP / NCCL error). After one the state of the cache or the device
+    cannot be trusted, so the caller re-raises it instead of failing one request."""
+    accel = getattr(torch, "AcceleratorError", None)  # torch >= 2.8
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, (InvariantError, MemoryError, torch.OutOfMemoryError)) or \
+                (accel is not None and isinstance(cur, accel)) or \
+                (isinstance(cur, RuntimeError) and any(m in str(cur) for m in _DEVICE_ERROR_MARKS)):
+            return cur
+        cur = cur.__cause__ if cur.__cause__ is not None else cur.__context__
+    return None

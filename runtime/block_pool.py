@@ -7,21 +7,24 @@
 
 Allocation is all-or-nothing and returns ``None`` when the pool cannot satisfy it: the caller
 (the scheduler) preempts. A request frees its blocks tail first (``free(blocks)`` walks the list in
-reverse), so the blocks that held the most recent tokens re-enter the queue first.
+reverse), so the blocks that held the most recent tokens re-enter the queue first. When another
+allocator chose the blocks (vLLM's, for the cache inside vLLM), :meth:`BlockPool.take` takes those
+exact free blocks. The free queue is an insertion-ordered set: pop, append and taking a named block
+are O(1) each.
 
 POOL invariant (checked by :meth:`BlockPool.check` in debug mode):
-    free + held == total; a block is on the free queue iff its refcount is 0; no duplicates on the queue.
+    free + held == total; a block is on the free queue iff its refcount is 0.
 Freeing a block whose refcount is already 0 is caller misuse (double free) -> ``ValueError``.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from ._debug import check, debug_enabled
+from ._debug import InvariantError, check, debug_enabled
 
 
 class BlockPool:
@@ -32,7 +35,7 @@ class BlockPool:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = int(num_blocks)
         self.debug = debug_enabled(debug)
-        self._free: deque[int] = deque(range(self.num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(self.num_blocks))
         self._ref = np.zeros(self.num_blocks, dtype=np.int32)
 
     # ------------------------------------------------------------------ queries
@@ -55,7 +58,7 @@ class BlockPool:
             raise ValueError(f"cannot allocate a negative number of blocks ({n})")
         if n > len(self._free):
             return None
-        out = [self._free.popleft() for _ in range(n)]
+        out = [self._free.popitem(last=False)[0] for _ in range(n)]
         self._ref[out] += 1
         if self.debug:
             self.check()
@@ -85,7 +88,23 @@ class BlockPool:
         for b in reversed(ids):
             self._ref[b] -= 1
             if self._ref[b] == 0:
-                self._free.append(b)
+                self._free[b] = None
+        if self.debug:
+            self.check()
+
+    def take(self, blocks: Sequence[int]) -> None:
+        """Take these free blocks (refcount 0 -> 1), chosen by another allocator (vLLM's, for the cache inside
+        vLLM). O(1) per block. A block that is not free means the two allocators disagree: ``InvariantError``
+        (POOL), raised before anything is taken."""
+        ids = [int(b) for b in blocks]
+        self._validate_ids(ids)
+        if len(set(ids)) != len(ids) or any(b not in self._free for b in ids):
+            held = sorted({b for b in ids if b not in self._free})
+            raise InvariantError("POOL", f"block(s) {held or ids} are not free here (still held, or named twice): "
+                                         "the external allocator and this pool disagree")
+        for b in ids:
+            del self._free[b]
+        self._ref[ids] += 1
         if self.debug:
             self.check()
 
@@ -94,7 +113,6 @@ class BlockPool:
         """POOL invariant. With ``held`` (every block id the owners believe they hold, one entry per
         reference) also cross-checks owners against refcounts: a mismatch is a leak or a double owner."""
         free = np.fromiter(self._free, dtype=np.int64, count=len(self._free))
-        check(np.unique(free).size == free.size, "POOL", "a block appears twice on the free queue")
         check(bool((self._ref >= 0).all()), "POOL", "negative refcount")
         on_queue = np.zeros(self.num_blocks, dtype=bool)
         on_queue[free] = True

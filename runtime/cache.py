@@ -7,7 +7,7 @@ the moves. What the cache adds is the ORDER in which they may run (the fences):
     reserve(req, T) -> slots [T]          pool.allocate + table.reserve; None = out of blocks (caller preempts)
     write_kv_slots(layer, slots, k, v)    fences (I3), then writes K/V
     attention_metadata(reqs)              compact/ordered: reclaims requests with holes, fences (I3)
-    ... attention, stats collection ...   stats_tensor(name) / accumulate_stats(...)
+    ... attention, stats collection ...   scatter_stats / accumulate_stats / stats_update_handles (writes)
     live_view(req) -> policy -> apply_keep_mask(req, keep)       table.mark_dead
     reclaim()                              planner -> table.commit -> pool.free -> engine.submit (async)
     fence()                                waits for the copies, then applies deferred slot writes
@@ -130,9 +130,11 @@ class VTokenCache(CacheQueries):
         st = self.table.add(req_id, normalize_pins(pinned_positions))
         return None if st is None else st.row
 
-    def setnormalize_pins(self, req_id: ReqId, pinned_positions: Iterable[int] | np.ndarray) -> None:
-        """Replace the pinned positions of a request (all currently present pins must be live)."""
-        self.table.setnormalize_pins(req_id, normalize_pins(pinned_positions))
+    def set_pins(self, req_id: ReqId, pinned_positions: Iterable[int] | np.ndarray) -> None:
+        """Replace the pinned positions of a request: true positions never to be evicted from now on
+        (positions not reached yet are pinned when they arrive). Every present pin must still be live in
+        every row (ValueError otherwise; nothing changes)."""
+        self.table.set_pins(req_id, normalize_pins(pinned_positions))
 
     def reserve(self, req_id: ReqId, num_new_tokens: int) -> np.ndarray | None:
         """Reserve slots for the next ``num_new_tokens`` tokens (true positions logical_len, ...).
@@ -167,7 +169,7 @@ class VTokenCache(CacheQueries):
 
     def fork(self, src: ReqId, dst: ReqId, pinned_positions: Iterable[int] | None = None) -> np.ndarray | None:
         """Add ``dst`` as a copy of ``src`` (its tokens, evictions, K/V, stats and positions), e.g. one
-        shared prefill for many policies. Returns ``dst``'s used physical slots, or None (changing
+        shared prefill for many policies. Returns ``dst``'s physical slots in use, or None (changing
         nothing) when rows or blocks run out."""
         n_blocks = self.held_blocks(src)
         if self.add_request(dst, pinned_positions) is None:
@@ -325,7 +327,21 @@ class VTokenCache(CacheQueries):
                                key_positions=self.store.layer_positions(layer), scale=scale,
                                return_probs=return_probs)
 
-    # ================================================================ statistics
+    # ================================================================ statistics (the slot store's writers)
+    def scatter_stats(self, name: str, layer: int, slots: torch.Tensor, values: torch.Tensor,
+                      reduce: str = "set") -> None:
+        """Write ``values [H_kv, M]`` into stat ``name`` of ``layer`` at physical ``slots [M]`` (distinct):
+        overwrite (``"set"``), add (``"sum"``) or multiply (``"scale"``). Fences first."""
+        self.fence()
+        self.store.scatter(name, layer, slots, values, reduce)
+
+    def stats_update_handles(self, layer: int, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        """For a statistics kernel that updates the store in place: name -> ``[H_kv, num_slots]`` float32
+        of ``layer`` (:meth:`SlotStore.update_handles`). Fences first. The views keep their addresses for the
+        cache's life; a kernel that writes through them later fences again first (moves change contents)."""
+        self.fence()
+        return self.store.update_handles(layer, names)
+
     def accumulate_stats(self, name: str, layer: int, md: AttentionMetadata, values: torch.Tensor,
                          reduce: str = "sum") -> None:
         """Scatter ``values [B, H_kv, max_len]`` (indexed by virtual slot, e.g. ``probs.sum(2)`` of

@@ -137,7 +137,9 @@ class CacheQueries:
         return pos.copy(), st.phys(vs)
 
     def stats_tensor(self, name: str) -> torch.Tensor:
-        """In-place store ``[L, H_kv, num_slots]`` float32 for stat ``name`` (fences first)."""
+        """Stat ``name`` of every slot, ``[L, H_kv, num_slots]`` float32 (fences first). For reading: writes
+        go through the cache's writers (``scatter_stats``, ``accumulate_stats``, ``stats_update_handles``),
+        which fence and keep the slot store the only owner of its tensors."""
         self.fence()
         return self.store.tensor(name)
 
@@ -147,6 +149,24 @@ class CacheQueries:
         _, phys = self.live_slots(req_id)
         names = self.store.stat_names if names is None else names
         return self.store.gather(names, torch.as_tensor(phys, device=self.device))
+
+    def gather_stats_batch(self, names: Sequence[str], slots: Sequence[np.ndarray], width: int,
+                           layers: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
+        """Per-slot stats of a batch's live tokens in one gather per statistic, on the cache's device:
+        ``slots`` the requests' physical slots ``[R, n_b]`` (:meth:`live_slots`, whose order the result
+        follows) -> name -> ``[B, l1 - l0, H_kv, width]`` float32, 0 past each request's ``n_b``. The slot
+        ids reach the device in one transfer. Fences first."""
+        l0, l1 = layers if layers is not None else (0, self.num_layers)
+        B, R = len(slots), self.num_rows
+        idx = np.zeros((B, R, width), dtype=np.int64)
+        ns = np.zeros(B, dtype=np.int64)
+        for b, p in enumerate(slots):
+            ns[b] = p.shape[1]
+            idx[b, :, :ns[b]] = p
+        self.fence()
+        idx_t = torch.from_numpy(idx).to(self.device, non_blocking=True)
+        valid = torch.arange(width, device=self.device)[None, :] < torch.from_numpy(ns).to(self.device)[:, None]
+        return self.store.gather_batch(names, idx_t, valid, (l0, l1))
 
     def has_request(self, req_id: ReqId) -> bool:
         return req_id in self.table.requests
@@ -164,7 +184,7 @@ class CacheQueries:
 
     def cache_len(self, req_id: ReqId) -> int:
         """Virtual slots in use (live + holes); == live_tokens after a compact/ordered reclaim."""
-        return self.table.get(req_id).used
+        return self.table.get(req_id).cache_len
 
     def naive_held_blocks(self, req_id: ReqId) -> int:
         """Blocks Naive-Evict would hold with the same decisions (shadow figure in every mode)."""

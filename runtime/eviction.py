@@ -8,19 +8,22 @@
                   pins, per-request budgets (one batch per policy), and the vector statistics it reads
                   (``policy.vector_reads``): keys / values gathered from the KV cache through the token
                   table (``cache.gather_kv_vectors``), query summaries from the query window store
-                  (``queries``, :mod:`vtoken_runtime.stats.queries`). A head-granularity policy reading
+                  (``queries``, :mod:`vtoken_runtime.stats.query_vectors`). A head-granularity policy reading
                   vectors is evaluated in layer chunks (``StatsBatch.layer_offset``) whose vectors stay
                   under ``vector_chunk_bytes`` (env ``VTOKEN_VECTOR_CHUNK_BYTES``, default 256 MiB)
       3. select   ONE batched compiled keep_mask per policy; if it raises, each request is retried
                   alone. A request whose policy raises, or whose mask breaks the selection contract
                   (checked for mask policies, and for every policy under VTOKEN_DEBUG), or whose mask
-                  the cache refuses, falls back to no eviction from then on; counted in ``failures``
-      4. apply    cache.apply_keep_mask (and every follower cache: the HF adapter's shadow block sizes)
+                  the cache refuses, falls back to no eviction from then on; counted in ``failures``.
+                  Runtime faults are not the policy's and propagate (``_debug.runtime_fault``: a broken
+                  invariant, out of memory, a device error): the step cannot go on over a state nobody
+                  can trust
+      4. apply    cache.apply_keep_mask (and every follower cache: the HF adapter's ``follower_block_sizes``)
       5. reclaim  cache.reclaim(evicted requests): plan, commit, free tail blocks, async copy
       6. report   StepReport: per request evicted tokens / failure, the reclaim's figures, timings
 
 The compiled form comes from ``vtoken_sdk.compile_policy(policy, device=cache.device)``: the Triton
-kernels for CUDA caches, the torch reference elsewhere (``VTOKEN_BACKEND`` overrides).
+kernels for CUDA caches, the torch backend elsewhere (``VTOKEN_POLICY_BACKEND`` overrides).
 """
 
 from __future__ import annotations
@@ -38,8 +41,9 @@ import torch
 from vtoken_sdk import Budget, CompiledPolicy, Policy, StatsBatch, compile_policy
 from vtoken_sdk.stats import KVCACHE_STATS, QUERY_STATS
 
+from ._debug import runtime_fault
 from .cache import ReclaimStats, VTokenCache
-from .stats.queries import QueryWindows
+from .stats.query_vectors import QueryWindows
 
 log = logging.getLogger("vtoken.eviction")
 ReqId = Hashable
@@ -187,13 +191,23 @@ class EvictionDriver:
             part: list[np.ndarray | str]
             try:
                 part = self._select(policy, compiled, batch, ns, rows)
-            except Exception:
+            except Exception as e:
+                fault = runtime_fault(e)  # a broken invariant, out of memory, a device error: not the policy's
+                if fault is e:
+                    raise
+                if fault is not None:  # wrapped by the policy's error: re-raised as itself
+                    raise fault from None
                 part = []
                 for i in range(len(live)):
                     try:
                         part += self._select(policy, compiled, batch.select_requests([i]), ns[i:i + 1], rows)
-                    except Exception as e:  # the policy's bug, on this request only
-                        part.append(f"{type(e).__name__}: {e}")
+                    except Exception as err:
+                        fault = runtime_fault(err)
+                        if fault is err:
+                            raise
+                        if fault is not None:
+                            raise fault from None
+                        part.append(f"{type(err).__name__}: {err}")  # the policy's bug, on this request only
             for r, x in zip(live, part, strict=True):
                 acc = results[r]
                 if isinstance(acc, str):
@@ -250,22 +264,23 @@ class EvictionDriver:
         if policy.kind == "mask" or self.cache.debug:  # score policies hold the contract by construction
             bad = compiled.contract_violations(batch, mask)
         R = self.cache.num_rows if rows is None else rows
+        host = mask.detach().to("cpu", torch.bool).numpy()  # the batch's masks reach the host in one transfer
         out: list[np.ndarray | str] = []
         for b, n in enumerate(ns):
             if bad[b] is not None:
                 out.append(f"policy {policy.name!r} broke the selection contract: {bad[b]}")
                 continue
-            m = mask[b, ..., :n].reshape(-1, n)  # [L * H, n], or [1, n] for a positions-only batch
+            m = host[b, ..., :n].reshape(-1, n)  # [L * H, n], or [1, n] for a positions-only batch
             if m.shape[0] == 1:
-                m = m.expand(R, n)
+                m = np.broadcast_to(m, (R, n))
             elif R == 1:
-                if not bool((m == m[:1]).all()):
+                if not (m == m[:1]).all():
                     out.append(f"policy {policy.name!r} gave per-head masks to a request-granularity cache")
                     continue
                 m = m[:1]
             elif m.shape[0] != R:  # request-granularity rows gathered over ranks: all rows agree
-                m = m[:1].expand(R, n)
-            out.append(m.detach().cpu().numpy().astype(bool))
+                m = np.broadcast_to(m[:1], (R, n))
+            out.append(m)
         return out
 
     def stats_batch(self, rs: Sequence[ReqId], layers: tuple[int, int] | None = None
@@ -283,7 +298,7 @@ class EvictionDriver:
         names = sorted(policy.stored_reads)
         kv_names = sorted(policy.vector_reads & set(KVCACHE_STATS))
         q_names = sorted(policy.vector_reads & set(QUERY_STATS))
-        if kv_names:
+        if kv_names or names:  # physical slots: the device reads go by them
             lv = [cache.live_slots(r) for r in rs]
             views, phys = [p for p, _ in lv], [s for _, s in lv]
         else:
@@ -293,17 +308,16 @@ class EvictionDriver:
         ns = [int(p.shape[1]) for p in views]
         B, N = len(rs), max(ns)
         seq = [cache.logical_len(r) for r in rs]
-        pos = torch.zeros((B, Lc, H, N) if R > 1 else (B, 1, 1, N), dtype=torch.int64)
-        stats = {s: torch.zeros(B, Lc, H, N) for s in names}
-        pinned = torch.zeros(pos.shape, dtype=torch.bool)
+        pos = np.zeros((B, Lc, H, N) if R > 1 else (B, 1, 1, N), dtype=np.int64)  # host: bookkeeping only
+        pinned = np.zeros(pos.shape, dtype=bool)
         for b, (r, p, n) in enumerate(zip(rs, views, ns, strict=True)):
-            pos[b, ..., :n] = torch.from_numpy(p).view(pos.shape[1:-1] + (n,))
-            pos[b, ..., n:] = seq[b] + torch.arange(N - n)  # padding: past the request, never kept
+            pos[b, ..., :n] = p.reshape(pos.shape[1:-1] + (n,))
+            pos[b, ..., n:] = seq[b] + np.arange(N - n)  # padding: past the request, never kept
             pins = cache.pinned_positions(r)
             if pins.size:
-                pinned[b] = torch.from_numpy(np.isin(pos[b].numpy(), pins))
-            for s, t in (cache.gather_stats(r, names) if names else {}).items():
-                stats[s][b, ..., :n] = t[l0:l1].cpu()
+                pinned[b] = np.isin(pos[b], pins)
+        # the statistics stay on their device: one gather per statistic for the whole batch
+        stats = cache.gather_stats_batch(names, phys, N, (l0, l1)) if names else {}
         vectors: dict[str, torch.Tensor] = {}
         if kv_names:  # [B, Lc, H, N, D] from the KV cache, in the live-view order of pos
             vectors.update(cache.gather_kv_vectors(rs, kv_names, (l0, l1), N, slots=phys))
@@ -314,13 +328,12 @@ class EvictionDriver:
         if self.collective is not None and policy.granularity == "request":  # every head, every rank
             stats = {k: self.collective.gather_heads(v) for k, v in stats.items()}
             vectors = {k: self.collective.gather_heads(v) for k, v in vectors.items()}
-        budget = torch.as_tensor([self.requests[r].budget.resolve(s) for r, s in zip(rs, seq, strict=True)],  # type: ignore[union-attr]
-                                 dtype=torch.int64)
+        budget = [self.requests[r].budget.resolve(s) for r, s in zip(rs, seq, strict=True)]  # type: ignore[union-attr]
         dev = cache.device
-        batch = StatsBatch(stats={k: v.to(dev) for k, v in stats.items()}, lengths=torch.as_tensor(ns).to(dev),
-                           positions=pos.to(dev), seq_lens=torch.as_tensor(seq).to(dev), pinned=pinned.to(dev),
-                           budget=budget.to(dev), layer_offset=l0, vectors={k: v.to(dev) for k, v in vectors.items()},
-                           head_dim=cache.head_size if "head_dim" in policy.reads else None)
+        batch = StatsBatch(stats={k: v.to(dev) for k, v in stats.items()}, lengths=_up(ns, dev), positions=_up(pos, dev),
+                           seq_lens=_up(seq, dev), pinned=_up(pinned, dev), budget=_up(budget, dev), layer_offset=l0,
+                           vectors={k: v.to(dev) for k, v in vectors.items()},
+                           head_dim=cache.head_size if "head_dim" in policy.reads else None, num_layers=L)
         return batch, ns
 
     def _fail(self, r: ReqId, why: str, report: StepReport) -> None:
@@ -328,4 +341,11 @@ class EvictionDriver:
         report.failed[r] = why
         self.counters["policy_failures"] += 1
         log.warning("vtoken: eviction failed for request %r (%s); it falls back to no eviction", r, why)
+
+
+
+def _up(a: Sequence[int] | np.ndarray, dev: torch.device) -> torch.Tensor:
+    """Host bookkeeping (int64 / bool) to ``dev``: a host-to-device copy, never a device sync."""
+    t = torch.from_numpy(np.asarray(a, dtype=np.int64) if not isinstance(a, np.ndarray) else a)
+    return t if dev.type == "cpu" else t.to(dev, non_blocking=True)
 

@@ -10,7 +10,7 @@ registered with transformers' ``AttentionInterface`` (and a no-op mask in
     2. runs paged attention over the request's live tokens (causal by true position),
     3. folds the attention probabilities into the statistics the policies declared,
     4. records the step's post-RoPE queries in the query window store when a policy of the session reads
-       query statistics (``query_mean``, ...: :mod:`vtoken_runtime.stats.queries`; every request of the
+       query statistics (``query_mean``, ...: :mod:`vtoken_runtime.stats.query_vectors`; every request of the
        session is recorded, so a shared prefill can fork into such policies). Keys and values read by a
        policy (``s.key``, ``s.value``) come from the paged cache itself at eviction time.
 
@@ -36,7 +36,7 @@ import torch
 from .cache import AttentionMetadata, VTokenCache
 from .eviction import EvictionDriver, TrackedRequest
 from .stats import StatsCollector, needs_probs
-from .stats.queries import FUTURE_STATS, QueryWindows, WriteIndex
+from .stats.query_vectors import FUTURE_STATS, QueryWindows, WriteIndex
 from .stats.rope import RotaryTables, rotary_tables
 
 log = logging.getLogger("vtoken.hf")
@@ -112,7 +112,7 @@ class HFSession:
     """A paged vToken cache driving a HF causal LM, with per-request policies.
 
     ``granularity="head"`` caches accept request-granularity policies too (their rows agree).
-    ``shadow_block_sizes``: extra bookkeeping-only caches (head_size 1) that receive the same
+    ``follower_block_sizes``: extra bookkeeping-only caches (head_size 1) that receive the same
     decisions, so held-block figures for other block sizes come from the real planner.
     ``policies``: the policies the session will run (their statistics and collector parameters are
     claimed up front, which a shared prefill needs: statistics are collected before requests fork).
@@ -122,7 +122,7 @@ class HFSession:
 
     def __init__(self, model: Any, *, block_size: int = 16, num_blocks: int = 4096, mode: str = "compact",
                  granularity: str = "head", stat_names: Sequence[str] = (), max_requests: int = 64,
-                 chunk_size: int = 512, stats_config: Any = None, shadow_block_sizes: Sequence[int] = (),
+                 chunk_size: int = 512, stats_config: Any = None, follower_block_sizes: Sequence[int] = (),
                  record_keeps: bool = False, async_copy: bool = True, debug: bool | None = None,
                  policies: Sequence[Any] = ()) -> None:
         register()
@@ -151,15 +151,16 @@ class HFSession:
         self.cache = VTokenCache(self.num_layers, self.num_kv_heads, self.head_dim, block_size, num_blocks,
                                  granularity=granularity, mode=mode, dtype=self.dtype, stat_names=self.stat_names,
                                  max_requests=max_requests, async_copy=async_copy, debug=debug)
-        self.shadows = {bs: VTokenCache(self.num_layers, self.num_kv_heads, 1, bs,
-                                        cdiv(num_blocks * block_size, bs) + max_requests, granularity=granularity,
-                                        mode=mode, max_requests=max_requests, async_copy=False)
-                        for bs in shadow_block_sizes}
-        self.driver = EvictionDriver(self.cache, list(self.shadows.values()), record_keeps=record_keeps)
+        self.followers = {bs: VTokenCache(self.num_layers, self.num_kv_heads, 1, bs,
+                                          cdiv(num_blocks * block_size, bs) + max_requests, granularity=granularity,
+                                          mode=mode, max_requests=max_requests, async_copy=False)
+                          for bs in follower_block_sizes}
+        self.driver = EvictionDriver(self.cache, list(self.followers.values()), record_keeps=record_keeps)
         for p in policies:
             self._claim_queries(p)
         self.requests: dict[Hashable, TrackedRequest] = self.driver.requests
-        self.prompt_lens: dict[Hashable, int] = {}
+        self.prompt_lens: dict[Hashable, int] = {}  # the prompt's length, declared by prefill()
+        self._prompt_ended: set[Hashable] = set()  # requests past their prompt: later tokens are generated
 
     # ------------------------------------------------------------------ requests
     def add(self, req_id: Hashable, policy: Any | None = None, pinned_positions: Sequence[int] | None = None,
@@ -168,10 +169,18 @@ class HFSession:
         budget in tokens (overrides the policy's size; its min_tokens / slack / when stay)."""
         self._check_policy(policy)
         pins = np.asarray(list(pinned_positions or ()), dtype=np.int64)
-        for c in (self.cache, *self.shadows.values()):
+        for c in (self.cache, *self.followers.values()):
             if c.add_request(req_id, pins) is None:
                 raise ValueError(f"max_requests reached; cannot add {req_id!r}")
         self._track(req_id, policy, budget)
+
+    def set_pins(self, req_id: Hashable, pinned_positions: Sequence[int]) -> None:
+        """Replace a request's pinned true positions (kept by every policy from the next eviction on;
+        positions not reached yet are pinned when they arrive). ValueError, changing nothing, when a
+        present pin was already evicted."""
+        pins = np.asarray(list(pinned_positions), dtype=np.int64)
+        for c in (self.cache, *self.followers.values()):  # the first refuses before any changed: same tokens
+            c.set_pins(req_id, pins)
 
     def _check_policy(self, policy: Any | None) -> None:
         if policy is None:
@@ -237,44 +246,66 @@ class HFSession:
             self.stats_config = self.stats_config.model_copy(update=update)
 
     def free(self, req_id: Hashable) -> None:
-        for c in (self.cache, *self.shadows.values()):
+        for c in (self.cache, *self.followers.values()):
             c.free(req_id)
         if self.queries is not None:
             self.queries.remove(req_id)
         self.driver.remove(req_id)
         self.prompt_lens.pop(req_id, None)
+        self._prompt_ended.discard(req_id)
 
     def fork(self, src: Hashable, dst: Hashable, policy: Any | None = None, budget: int | None = None) -> None:
         """Add ``dst`` as a copy of ``src`` (tokens, evictions, K/V, statistics, pins), with its own policy:
         one shared prefill for many configurations."""
         self._check_policy(policy)
         pins = self.cache.pinned_positions(src)
-        for c in (self.cache, *self.shadows.values()):
+        for c in (self.cache, *self.followers.values()):
             if c.fork(src, dst, pins) is None:
                 raise MemoryError(f"out of KV blocks or request rows while forking {src!r} -> {dst!r}")
         if self.queries is not None:
             self.queries.fork(src, dst)
         self._track(dst, policy, budget)
         self.prompt_lens[dst] = self.prompt_lens.get(src, 0)
+        if src in self._prompt_ended:
+            self._prompt_ended.add(dst)
 
     def _reserve(self, req_id: Hashable, n: int) -> torch.Tensor:
         slots = self.cache.reserve(req_id, n)
         if slots is None:
             raise MemoryError(f"out of KV blocks while reserving {n} tokens for {req_id!r}")
-        for c in self.shadows.values():
+        for c in self.followers.values():
             if c.reserve(req_id, n) is None:
-                raise MemoryError("shadow cache out of blocks")
+                raise MemoryError("follower cache out of blocks")
         return torch.as_tensor(slots)
 
     # ------------------------------------------------------------------ forward
+    def _check_window(self, req_ids: Sequence[Hashable], lens: Sequence[int]) -> None:
+        """Refuse (ValueError, nothing run) tokens that would extend a prompt past the end :meth:`prefill`
+        declared while the prompt is open: ``attn_window``'s observation window was placed at that end."""
+        if "attn_window" not in self.stat_names:
+            return
+        for r, n in zip(req_ids, lens, strict=True):
+            end = self.prompt_lens.get(r, 0)
+            if r in self._prompt_ended or self.cache.logical_len(r) + n <= end:
+                continue  # generated tokens, or a chunk of the declared prompt
+            where = (f"its prompt ({end} tokens, prefill(evict=False)) is still open" if end else
+                     "it has no prompt yet")
+            raise ValueError(
+                f"request {r!r}: {where}, and attn_window's observation window is the prompt's last obs_window "
+                "queries; pass the whole prompt to one prefill() call, or end the prompt first "
+                "(evict(req_ids, 'prefill')) so these tokens count as generated ones")
+
     @torch.inference_mode()
     def forward(self, req_ids: Sequence[Hashable], tokens: Sequence[Sequence[int]], all_logits: bool = False
                 ) -> torch.Tensor:
         """Run new tokens of several requests through the model (no eviction). Returns the last token's
         logits ``[B, V]``, or with ``all_logits`` every new token's ``[B, Q, V]`` (padded past a request's
-        own count), e.g. for perplexity over a continuation."""
+        own count), e.g. for perplexity over a continuation. Tokens after a request's prompt (:meth:`prefill`)
+        are generated tokens; a session collecting ``attn_window`` refuses (ValueError) tokens that would
+        extend an open prompt or stand in for a missing one (see :meth:`prefill`)."""
         B = len(req_ids)
         lens = [len(t) for t in tokens]
+        self._check_window(req_ids, lens)
         Q = max(lens)
         ids = torch.zeros(B, Q, dtype=torch.long)
         qpos = torch.full((B, Q), -1, dtype=torch.long)
@@ -310,7 +341,21 @@ class HFSession:
     def prefill(self, req_ids: Sequence[Hashable], prompts: Sequence[Sequence[int]], evict: bool = True
                 ) -> torch.Tensor:
         """Chunked prefill of whole prompts (``chunk_size`` tokens per forward), then eviction (also after
-        every chunk but the last for budgets with ``when="chunks"``)."""
+        every chunk but the last for budgets with ``when="chunks"``).
+
+        Each request's prompt comes in ONE call: ``attn_window`` sums the prompt's last ``obs_window``
+        queries, which needs the prompt's end before its first query runs. A session collecting it
+        refuses (ValueError, nothing run) a request that already holds tokens (a second prefill, a fork of
+        a prefilled request). With ``evict=False`` the prompt stays open until :meth:`evict` (phase
+        "prefill" or "decode") or :meth:`decode` ends it; tokens given to :meth:`forward` after that are
+        generated tokens (outside the window, as decode steps are)."""
+        if "attn_window" in self.stat_names:
+            held = [r for r in req_ids if self.cache.logical_len(r) > 0]
+            if held:
+                raise ValueError(
+                    f"requests {held[:4]!r} already hold tokens: attn_window's observation window is the last "
+                    "obs_window queries of the prompt, so a prompt must come in one prefill() call; pass the "
+                    "whole prompt to prefill(), or feed tokens after it with forward() / decode()")
         for r, p in zip(req_ids, prompts, strict=True):
             self.prompt_lens[r] = self.cache.logical_len(r) + len(p)
         chunks = [self._chunks(len(p)) for p in prompts]
@@ -334,7 +379,8 @@ class HFSession:
         return [(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
 
     def decode(self, req_ids: Sequence[Hashable], next_tokens: Sequence[int], evict: bool = True) -> torch.Tensor:
-        """One decode step (one token per request), then eviction."""
+        """One decode step (one token per request), then eviction. Ends the requests' prompts."""
+        self._prompt_ended.update(req_ids)
         logits = self.forward(req_ids, [[int(t)] for t in next_tokens])
         if evict:
             self.evict(req_ids, "decode")
@@ -360,14 +406,17 @@ class HFSession:
     def evict(self, req_ids: Sequence[Hashable], phase: str) -> int:
         """One eviction step of the driver (see :mod:`vtoken_runtime.eviction`); returns row-tokens evicted.
         A policy that raises, or returns a mask the contract or the cache refuses, fails only its own
-        request, which falls back to no eviction (``requests[r].failures``)."""
+        request, which falls back to no eviction (``requests[r].failures``). Phases "prefill" and "decode"
+        end the requests' prompts (:meth:`prefill`)."""
+        if phase != "chunk":
+            self._prompt_ended.update(req_ids)
         return sum(self.driver.step(req_ids, phase).evicted.values())
 
     # ------------------------------------------------------------------ reporting
     def blocks(self, req_id: Hashable) -> dict[int, dict[str, int]]:
         """Held blocks per block size: full (no eviction), naive, vtoken, ideal."""
         out = {}
-        for bs, c in ((self.block_size, self.cache), *self.shadows.items()):
+        for bs, c in ((self.block_size, self.cache), *self.followers.items()):
             live, seq = c.live_tokens(req_id), c.logical_len(req_id)
             out[bs] = {"full": cdiv(seq, bs), "naive": c.naive_held_blocks(req_id), "vtoken": c.held_blocks(req_id),
                        "ideal": cdiv(live, bs), "moved": c.tokens_moved(req_id)}

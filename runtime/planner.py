@@ -7,7 +7,7 @@ slots with the request's pre-plan block list and hands them to the copy engine.
 compact (default): fill holes below the new length n = live with the live tokens above it
 ---------------------------------------------------------------------------------------------
     bs = 4, live n = 6                          x = evicted, letters = live tokens
-    before   [a x b x] [x c x d] [e x f .]      3 blocks, used 11
+    before   [a x b x] [x c x d] [e x f .]      3 blocks, cache_len 11
     vslot     0 1 2 3   4 5 6 7   8 9 10
     holes below n=6: {1, 3, 4}          live at >= 6: {d@7, e@8, f@10}    (paired in order)
     after    [a d b e] [f c . .]  (free)      2 blocks = ceil(6/4); moves = 3 <= evicted = 6
@@ -32,14 +32,14 @@ naive (the Naive-Evict baseline): no moves
     after    [a x b x] [e x f .]              the all-dead block is dropped from the block table;
     a block returns to the pool only when every token ever placed in it is dead (in every row). The
     dead slots that remain are masked at attention time (their position is -1 in the slot store).
-    New tokens append after the last used slot.
+    New tokens append after the last slot in use (at cache_len).
 
 How exactness ("an evicted token is never attended again") and I4 are guaranteed
 ---------------------------------------------------------------------------------------------
 * ``apply_keep_mask`` marks dead in the table *and* queues "position := -1" for those slots, so even
   before any reclaim a dead slot is invalid for a position-aware attention (the reference kernel).
 * Unmodified paged kernels cannot mask; so in compact/ordered mode ``VTokenCache.attention_metadata``
-  reclaims every request that still has holes inside [0, used) before handing out block tables and
+  reclaims every request that still has holes inside [0, cache_len) before handing out block tables and
   cache lengths. After a compact/ordered plan [0, n) is exactly the live set: no hole is visible.
 * I4, never overlapping: ``reclaim`` fences the previous plan before planning, so at most one plan is
   in flight, and every tensor write (K/V writes, slot initialisation, stats access, attention
@@ -71,7 +71,7 @@ class RequestPlan:
     rows: np.ndarray
     src: np.ndarray
     dst: np.ndarray
-    new_used: int
+    new_cache_len: int
     keep_blocks: np.ndarray  # [nb] bool: which of the pre-plan blocks survive (a prefix unless naive)
     old_num_blocks: int
 
@@ -102,15 +102,15 @@ def plan_ordered(live: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray, np.n
     return r[m].astype(np.int64), c[m].astype(np.int64), d[m]
 
 
-def plan_naive(live: np.ndarray, used: int, block_size: int) -> np.ndarray:
+def plan_naive(live: np.ndarray, cache_len: int, block_size: int) -> np.ndarray:
     """``live`` [R, nb * bs] -> keep [nb] bool: a block survives while any of its tokens is live."""
-    nb = cdiv(used, block_size)
+    nb = cdiv(cache_len, block_size)
     return live[:, : nb * block_size].reshape(live.shape[0], nb, block_size).any(axis=(0, 2))
 
 
 def plan_request(st: RequestState, mode: str) -> RequestPlan:
     """Plan one request (vectorized over its rows and slots)."""
-    bs, n, u = st.block_size, st.num_live, st.used
+    bs, n, u = st.block_size, st.num_live, st.cache_len
     nb = len(st.blocks)
     live = st.live[:, :u]
     empty = np.zeros(0, np.int64)
@@ -134,7 +134,7 @@ def plan_batch(states: list[RequestState], mode: str) -> list[RequestPlan]:
 
 def validate_plan(st: RequestState, plan: RequestPlan, mode: str) -> None:
     """Debug-mode I1/I4 checks of a plan against the *pre-plan* table (raises InvariantError)."""
-    u, n = st.used, st.num_live
+    u, n = st.cache_len, st.num_live
     if mode == "naive":
         check(plan.num_moves == 0, "I4", "naive plan moves tokens")
         return

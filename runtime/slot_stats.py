@@ -67,7 +67,8 @@ class SlotStore:
         self.positions = torch.full((num_rows, num_slots), -1, dtype=torch.int64, device=device)
 
     def tensor(self, name: str) -> torch.Tensor:
-        """The in-place store ``[L, H_kv, S]`` for ``name`` (ValueError for an undeclared stat)."""
+        """The store ``[L, H_kv, S]`` for ``name`` (ValueError for an undeclared stat). For reading; writers
+        use :meth:`scatter` or :meth:`update_handles`."""
         try:
             return self.stats[name]
         except KeyError:
@@ -77,6 +78,11 @@ class SlotStore:
         """Fold ``values [H_kv, M]`` into stat ``name`` of ``layer`` at physical ``slots [M]`` (:func:`scatter_into`)."""
         scatter_into(self.tensor(name)[layer], slots, values, reduce)
 
+    def update_handles(self, layer: int, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        """The write handles of the statistics kernels: name -> ``[H_kv, S]`` in-place store of ``layer``
+        (views: what a kernel writes lands in the store). The caller fences first (the cache does)."""
+        return {n: self.tensor(n)[layer] for n in names}
+
     def gather(self, names: Sequence[str], slots: torch.Tensor) -> dict[str, torch.Tensor]:
         """Stats at physical ``slots [R, n]`` (R = 1: every head reads the same slot; R = L * H_kv: row
         ``l * H_kv + h`` its own) -> name -> ``[L, H_kv, n]``."""
@@ -85,6 +91,26 @@ class SlotStore:
         for name in names:
             t = self.tensor(name)
             out[name] = t[:, :, slots[0]] if slots.shape[0] == 1 else torch.gather(t, 2, slots.view(L, H, -1))
+        return out
+
+    def gather_batch(self, names: Sequence[str], slots: torch.Tensor, valid: torch.Tensor,
+                     layers: tuple[int, int]) -> dict[str, torch.Tensor]:
+        """A batch's stats in one gather per name: physical ``slots [B, R, N]`` (R = 1: every head reads the
+        same slot; R = L * H_kv: row ``l * H_kv + h`` its own), ``valid [B, N]`` (False: padding, read as 0),
+        layers ``[l0, l1)`` -> name -> ``[B, l1 - l0, H_kv, N]`` on the store's device."""
+        l0, l1 = layers
+        B, R, N = slots.shape
+        H = self.num_kv_heads
+        keep = valid[:, None, None, :]
+        out = {}
+        for name in names:
+            t = self.tensor(name)[l0:l1]  # [Lc, H, S]
+            if R == 1:
+                g = t[:, :, slots[:, 0]].permute(2, 0, 1, 3)  # [Lc, H, B, N] -> [B, Lc, H, N]
+            else:
+                rows = slots[:, l0 * H:l1 * H].reshape(B, l1 - l0, H, N)
+                g = torch.gather(t.unsqueeze(0).expand(B, -1, -1, -1), 3, rows)
+            out[name] = torch.where(keep, g, torch.zeros((), dtype=g.dtype, device=g.device))
         return out
 
     def layer_positions(self, layer: int) -> torch.Tensor:

@@ -2,11 +2,11 @@
 
 Rows: R = 1 at ``"request"`` granularity; R = num_layers * num_kv_heads at ``"head"`` granularity
 (row r = layer * num_kv_heads + head). All rows of a request share ONE block list (so one block
-table and one cache length, decision 4) while each row keeps its own tokens.
+table and one cache length, docs/decisions.md decision 4) while each row keeps its own tokens.
 
     virtual slot j  ->  physical slot  blocks[j // bs] * bs + j % bs
 
-    request "a", bs = 4, blocks = [5, 2, 9], used (cache length) = 10, R = 2
+    request "a", bs = 4, blocks = [5, 2, 9], cache_len = 10, R = 2
     vslot         0  1  2  3 | 4  5  6  7 | 8  9  .  .
     block              5     |     2      |     9
     pos[0]       [0  1  2  3 | 4  5  6  7 | 8  9 -1 -1]
@@ -21,7 +21,7 @@ Everything here is numpy bookkeeping. The only tensors are the *device mirror*: 
 tables allocated once and written in place (CUDA-graph safe; their ``data_ptr()`` never changes):
 
     block_tables  int32 [max_requests, max_blocks_per_request]   (-1 past the held blocks)
-    cache_lens    int32 [max_requests]                            used virtual slots (live + holes)
+    cache_lens    int32 [max_requests]                            cache_len: virtual slots in use (live + holes)
     logical_lens  int32 [max_requests]                            true sequence length (positions)
 
 Each request owns one mirror row for its lifetime (``RequestState.row``).
@@ -65,7 +65,7 @@ def slot_index(block_tables: torch.Tensor, cache_lens: torch.Tensor, width: int,
 @dataclass
 class RequestState:
     """Bookkeeping of one request. Arrays are ``[R, cap]`` with ``cap >= len(blocks) * block_size``
-    (grown geometrically; slots past ``used`` are empty: position -1, not live)."""
+    (grown geometrically; slots past ``cache_len`` are empty: position -1, not live)."""
 
     req_id: ReqId
     row: int
@@ -73,20 +73,20 @@ class RequestState:
     block_size: int
     pinned: np.ndarray  # [P] int64 sorted unique true positions that must never be evicted
     blocks: list[int] = field(default_factory=list)
-    used: int = 0  # virtual slots in use = cache length (live + holes)
+    cache_len: int = 0  # virtual slots in use (live + holes); the kernels' seq_len
     logical_len: int = 0  # next true position (never decreases: decision 6)
     num_live: int = 0  # live tokens per row (equal in every row)
     pos: np.ndarray = field(default_factory=lambda: np.zeros((1, 0), np.int64))  # [R, cap]
     live: np.ndarray = field(default_factory=lambda: np.zeros((1, 0), bool))  # [R, cap]
     pending: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # vslots of last reserve
     evicted_since_reclaim: int = 0  # row-tokens marked dead since the last reclaim of this request
-    holes: bool = False  # a dead token lies inside [0, used)
+    holes: bool = False  # a dead token lies inside [0, cache_len)
     tokens_moved: int = 0  # row-token moves done for this request, all reclaims
     # Naive-Evict shadow: the blocks Naive-Evict would hold with the same decisions, as true
     # position ranges [start, start + count) (appends are in position order, so blocks are ranges).
     naive_starts: list[int] = field(default_factory=list)
     naive_counts: list[int] = field(default_factory=list)
-    # bumped by every change of pos / live / used / num_live (all in this module): live_view's memo key
+    # bumped by every change of pos / live / cache_len / num_live (all in this module): live_view's memo key
     version: int = 0
     view_memo: tuple[int, np.ndarray, np.ndarray] | None = field(default=None, repr=False)
 
@@ -135,7 +135,7 @@ class RequestState:
             return
         starts = np.asarray(self.naive_starts, dtype=np.int64)
         any_live = np.zeros(self.logical_len, dtype=np.int32)  # per true position: live in some row
-        any_live[self.pos[:, : self.used][self.live[:, : self.used]]] = 1
+        any_live[self.pos[:, : self.cache_len][self.live[:, : self.cache_len]]] = 1
         alive = np.add.reduceat(any_live, starts) > 0  # ranges are sorted and contiguous
         self.naive_starts = starts[alive].tolist()
         self.naive_counts = np.asarray(self.naive_counts, dtype=np.int64)[alive].tolist()
@@ -201,13 +201,13 @@ class TokenTable:
 
     def sync_mirror(self, st: RequestState) -> None:
         """Write ``st``'s block table and lengths into its mirror row (host twin; see :meth:`flush_mirror`)."""
-        self._write_row(st.row, st.blocks, st.used, st.logical_len)
+        self._write_row(st.row, st.blocks, st.cache_len, st.logical_len)
 
-    def _write_row(self, row: int, blocks: Any, used: int, logical: int) -> None:
+    def _write_row(self, row: int, blocks: Any, cache_len: int, logical: int) -> None:
         nb = len(blocks)
         self._bt_np[row, :nb] = blocks
         self._bt_np[row, nb:] = -1
-        self._lens_np[row] = used
+        self._lens_np[row] = cache_len
         self._logical_np[row] = logical
         if self._on_device:
             self._dirty.add(row)
@@ -230,9 +230,9 @@ class TokenTable:
         n = int(num_new_tokens)
         if n < 0:
             raise ValueError(f"request {req_id!r}: cannot reserve a negative number of tokens ({n})")
-        need = max(cdiv(st.used + n, self.block_size) - len(st.blocks), 0)
+        need = max(cdiv(st.cache_len + n, self.block_size) - len(st.blocks), 0)
         if len(st.blocks) + need > self.max_blocks_per_request:
-            raise ValueError(f"request {req_id!r}: {st.used + n} slots exceed max_blocks_per_request="
+            raise ValueError(f"request {req_id!r}: {st.cache_len + n} slots exceed max_blocks_per_request="
                              f"{self.max_blocks_per_request} x block_size={self.block_size}")
         return need
 
@@ -249,13 +249,13 @@ class TokenTable:
         if new_blocks:
             st.blocks.extend(int(b) for b in new_blocks)
             st.grow(st.capacity)
-        v = np.arange(st.used, st.used + n, dtype=np.int64)
+        v = np.arange(st.cache_len, st.cache_len + n, dtype=np.int64)
         p = np.arange(st.logical_len, st.logical_len + n, dtype=np.int64)
         st.version += 1
         st.pos[:, v] = p
         st.live[:, v] = True
         st.naive_append(st.logical_len, n)
-        st.used += n
+        st.cache_len += n
         st.logical_len += n
         st.num_live += n
         st.pending = v
@@ -297,7 +297,7 @@ class TokenTable:
         kept = km.sum(axis=1)
         if kept.size and not (kept == kept[0]).all():
             raise ValueError(f"request {req_id!r}: every row must keep the same number of tokens, got "
-                             f"{sorted(set(kept.tolist()))} (one block table per request, decision 4)")
+                             f"{sorted(set(kept.tolist()))} (one block table per request: docs/decisions.md, decision 4)")
         pos, vs = self.live_view(st)
         r, c = np.nonzero(~km)
         if r.size == 0:
@@ -327,15 +327,15 @@ class TokenTable:
             keep = plan.keep_blocks
             kept_ids = np.nonzero(keep)[0]
             drop_ids = np.nonzero(~keep)[0]
-            used_in = np.minimum(bs, st.used - drop_ids * bs)
+            in_drop = np.minimum(bs, st.cache_len - drop_ids * bs)
             cols = (kept_ids[:, None] * bs + np.arange(bs)).reshape(-1)
             cap = st.pos.shape[1]
             st.pos = np.concatenate([st.pos[:, cols], np.full((self.num_rows, cap - cols.size), -1, np.int64)], 1)
             st.live = np.concatenate([st.live[:, cols], np.zeros((self.num_rows, cap - cols.size), bool)], 1)
             freed = [st.blocks[i] for i in drop_ids]
             st.blocks = [st.blocks[i] for i in kept_ids]
-            st.used -= int(used_in.sum())
-            st.holes = bool((~st.live[:, : st.used]).any())
+            st.cache_len -= int(in_drop.sum())
+            st.holes = bool((~st.live[:, : st.cache_len]).any())
         else:
             n = st.num_live
             st.pos[plan.rows, plan.dst] = st.pos[plan.rows, plan.src]  # RHS gathered first: overlap-safe
@@ -345,7 +345,7 @@ class TokenTable:
             k = cdiv(n, bs)
             freed = st.blocks[k:]
             st.blocks = st.blocks[:k]
-            st.used = n
+            st.cache_len = n
             st.holes = False
         st.tokens_moved += plan.num_moves
         st.evicted_since_reclaim = 0
@@ -361,21 +361,21 @@ class TokenTable:
 
     def fork(self, src: ReqId, dst: ReqId, new_blocks: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """Make ``dst`` (added, empty) a copy of ``src``'s layout, evictions included, in ``new_blocks``
-        (``len(src.blocks)`` of them). Returns ``(src slots [M], dst slots [M])``: the used physical slots
+        (``len(src.blocks)`` of them). Returns ``(src slots [M], dst slots [M])``: the physical slots in use
         whose K/V, stats and positions the caller copies (every row)."""
         s, d = self.get(src), self.get(dst)
-        if d.used or d.logical_len:
+        if d.cache_len or d.logical_len:
             raise ValueError(f"fork target {dst!r} must be empty")
         if len(new_blocks) != len(s.blocks):
             raise ValueError(f"fork of {src!r} needs {len(s.blocks)} blocks, got {len(new_blocks)}")
         d.blocks = [int(b) for b in new_blocks]
         d.version += 1
         d.pos, d.live = s.pos.copy(), s.live.copy()
-        d.used, d.logical_len, d.num_live, d.holes = s.used, s.logical_len, s.num_live, s.holes
+        d.cache_len, d.logical_len, d.num_live, d.holes = s.cache_len, s.logical_len, s.num_live, s.holes
         d.evicted_since_reclaim = s.evicted_since_reclaim
         d.naive_starts, d.naive_counts = list(s.naive_starts), list(s.naive_counts)
         self.sync_mirror(d)
-        v = np.arange(s.used, dtype=np.int64)
+        v = np.arange(s.cache_len, dtype=np.int64)
         return s.phys(v), d.phys(v)
 
     # ---------------------------------------------------------------- logical view
@@ -384,7 +384,7 @@ class TokenTable:
         """``(positions [R, n_live], vslots [R, n_live])``, each row ascending by true position.
 
         Live true positions are unique per row and every row holds ``n_live`` of them (I2), so when the
-        position range is not much wider than the cache (``logical_len <= 4 * used``: a dense
+        position range is not much wider than the cache (``logical_len <= 4 * cache_len``: a dense
         ``[R, logical_len]`` scratch stays small) the rows are ordered by scattering each live slot to its
         position and reading the scratch back row-major (no sort, ~2.5x faster at 90 rows x 800 slots);
         otherwise by a stable argsort. Same result either way (tested).
@@ -402,7 +402,7 @@ class TokenTable:
 
     @staticmethod
     def _live_view(st: RequestState) -> tuple[np.ndarray, np.ndarray]:
-        u = st.used
+        u = st.cache_len
         R, L, n = st.live.shape[0], st.logical_len, st.num_live
         if 0 < L <= 4 * max(u, 1):
             lv = st.live[:, :u]
@@ -418,7 +418,7 @@ class TokenTable:
     @staticmethod
     def live_view_sorted(st: RequestState) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`live_view` by a stable argsort of the live positions (the general path)."""
-        u = st.used
+        u = st.cache_len
         key = np.where(st.live[:, :u], st.pos[:, :u], np.iinfo(np.int64).max)
         order = np.argsort(key, axis=1, kind="stable")[:, : st.num_live]
         return np.take_along_axis(key, order, axis=1), order.astype(np.int64)
@@ -432,10 +432,10 @@ class TokenTable:
         check(st.pos.shape == st.live.shape and st.pos.shape[0] == self.num_rows
               and st.pos.shape[1] >= st.capacity, "I2",
               f"request {st.req_id!r}: table shape {st.pos.shape} too small for (R, {st.capacity})")
-        check(st.used <= st.capacity, "I2", f"request {st.req_id!r}: used {st.used} > capacity {st.capacity}")
-        check(len(st.blocks) == cdiv(st.used, bs) or (st.used == 0 and not st.blocks), "POOL",
-              f"request {st.req_id!r}: holds {len(st.blocks)} blocks for {st.used} used slots")
-        check(not st.live[:, st.used:].any(), "I2", f"request {st.req_id!r}: live token past cache length")
+        check(st.cache_len <= st.capacity, "I2", f"request {st.req_id!r}: cache_len {st.cache_len} > capacity {st.capacity}")
+        check(len(st.blocks) == cdiv(st.cache_len, bs) or (st.cache_len == 0 and not st.blocks), "POOL",
+              f"request {st.req_id!r}: holds {len(st.blocks)} blocks for cache_len {st.cache_len}")
+        check(not st.live[:, st.cache_len:].any(), "I2", f"request {st.req_id!r}: live token past cache length")
         counts = st.live.sum(axis=1)
         check(bool((counts == st.num_live).all()), "I2",
               f"request {st.req_id!r}: live counts per row {counts.tolist()} != {st.num_live}")
@@ -457,14 +457,14 @@ class TokenTable:
                   f"request {st.req_id!r}: naive mode holds {len(st.blocks)} blocks, naive rule says "
                   f"{len(st.naive_starts)}")
         elif mode is not None and not st.holes:
-            check(st.used == st.num_live and len(st.blocks) == cdiv(st.num_live, bs), "I4",
-                  f"request {st.req_id!r}: {len(st.blocks)} blocks / cache length {st.used} for "
+            check(st.cache_len == st.num_live and len(st.blocks) == cdiv(st.num_live, bs), "I4",
+                  f"request {st.req_id!r}: {len(st.blocks)} blocks / cache length {st.cache_len} for "
                   f"{st.num_live} live tokens without holes")
         nb = len(st.blocks)
         self.flush_mirror()
         mirror = self.block_tables[st.row, :nb].cpu().numpy()
         check(bool((mirror == np.asarray(st.blocks, dtype=np.int32)).all())
-              and int(self.cache_lens[st.row]) == st.used, "I3",
+              and int(self.cache_lens[st.row]) == st.cache_len, "I3",
               f"request {st.req_id!r}: device mirror disagrees with the token table")
 
 

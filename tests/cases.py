@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 import vtoken_policies
 import vtoken_sdk as vt
 
@@ -36,6 +38,13 @@ CASES: list[tuple[str, dict[str, Any]]] = [
     ("snap_observed", {}),
 ]
 
+
+def sizes(fast: int, full: int) -> pytest.MarkDecorator:
+    """Parametrize a test's ``examples`` (hypothesis examples per property): ``fast`` in the fast suite
+    (``make test-fast``, run after every edit), ``full`` marked slow (``make test``). The same property
+    either way; only how many examples it draws differs."""
+    return pytest.mark.parametrize("examples", [pytest.param(fast, id="fast"),
+                                                pytest.param(full, id="full", marks=pytest.mark.slow)])
 
 
 def case_id(case: tuple[str, dict[str, Any]]) -> str:

@@ -1,11 +1,18 @@
 """Backend selection: which compiled form of a policy runs, chosen by device.
 
 ``compile_policy(policy, device=...)`` returns a :class:`CompiledPolicy`: the fused Triton kernels for
-CUDA tensors (when Triton imports), the torch reference elsewhere. ``VTOKEN_BACKEND=torch|triton``
-overrides the choice; ``backend=`` forces one. Compiled policies are cached on the policy object.
+CUDA tensors (when Triton imports), the torch backend (``torch_backend``) elsewhere.
+``VTOKEN_POLICY_BACKEND=torch|triton`` overrides the choice; ``backend=`` forces one. (The statistics
+collector has its own variable, ``VTOKEN_STATS_BACKEND``; the old name ``VTOKEN_BACKEND`` is refused.)
+
+What compiling produces is cached by the backend that produced it, never on the policy (a policy is a
+plain description): the Triton backend keeps each policy's generated kernels in a weak-keyed cache
+(``triton_backend.generated_for``), so a policy nobody holds any more is dropped with its entry. The
+torch backend interprets the IR on every call and has nothing to cache.
 
 Import graph (no cycles): ``policy -> backend`` (lazily, in ``Policy.compile``), ``backend ->
-reference | triton_backend``, ``triton_backend -> reference``; none of them imports ``policy`` at run time.
+torch_backend | triton_backend``, ``triton_backend -> torch_backend``; none of them imports ``policy``
+at run time.
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ if TYPE_CHECKING:
     from .policy import Policy
 
 BACKENDS = ("torch", "triton")
+ENV = "VTOKEN_POLICY_BACKEND"
+RENAMED_ENV = "VTOKEN_BACKEND"  # the old name (it read as "the statistics backend" too)
 
 
 @runtime_checkable
@@ -42,12 +51,24 @@ class CompiledPolicy(Protocol):
         ...
 
 
+def requested_backend() -> str | None:
+    """``VTOKEN_POLICY_BACKEND`` (``"torch"`` / ``"triton"``), or None when unset.
+
+    Raises ValueError for another value, and when the old name ``VTOKEN_BACKEND`` is set."""
+    if os.environ.get(RENAMED_ENV):
+        raise ValueError(f"{RENAMED_ENV} was renamed to {ENV} (the policy selection backend, torch|triton; "
+                         f"the statistics backend is VTOKEN_STATS_BACKEND): set {ENV} instead")
+    env = os.environ.get(ENV)
+    if env and env not in BACKENDS:
+        raise ValueError(f"got {ENV}={env!r}, expected 'torch' or 'triton'")
+    return env or None
+
+
 def default_backend(device: Any = None) -> str:
-    """``VTOKEN_BACKEND`` if set; else ``"triton"`` for a CUDA device when Triton imports; else ``"torch"``."""
-    env = os.environ.get("VTOKEN_BACKEND")
+    """``VTOKEN_POLICY_BACKEND`` if set; else ``"triton"`` for a CUDA device when Triton imports; else
+    ``"torch"``."""
+    env = requested_backend()
     if env:
-        if env not in BACKENDS:
-            raise ValueError(f"got VTOKEN_BACKEND={env!r}, expected 'torch' or 'triton'")
         return env
     if device is not None and str(device).startswith("cuda"):
         try:
@@ -61,25 +82,19 @@ def default_backend(device: Any = None) -> str:
 
 def compile_policy(policy: Policy, backend: str | None = None, device: Any = None) -> CompiledPolicy:
     """The compiled ``policy`` for ``backend`` (default: :func:`default_backend` of ``device``). Mask
-    policies (eager Python) always run on the torch reference."""
+    policies (eager Python) always run on the torch backend."""
     backend = backend or default_backend(device)
     if backend not in BACKENDS:
         raise ValueError(f"got backend={backend!r}, expected 'torch' or 'triton'")
     if policy.kind != "score":
-        if backend == "triton" and os.environ.get("VTOKEN_BACKEND") != "triton" and device is not None:
+        if backend == "triton" and requested_backend() != "triton" and device is not None:
             backend = "torch"  # chosen by device, not asked for: mask policies run eagerly
         elif backend == "triton":
             raise ValueError(f"policy {policy.name!r} is a mask policy: only the torch backend runs it")
-    cached = policy._compiled.get(backend)
-    if cached is not None:
-        return cached
     if backend == "torch":
-        from .reference import ReferencePolicy
+        from .torch_backend import TorchPolicy
 
-        compiled: CompiledPolicy = ReferencePolicy(policy)
-    else:
-        from .triton_backend import TritonPolicy  # type: ignore[import-not-found]
+        return TorchPolicy(policy)
+    from .triton_backend import TritonPolicy, generated_for  # type: ignore[import-not-found]
 
-        compiled = TritonPolicy(policy)
-    policy._compiled[backend] = compiled
-    return compiled
+    return TritonPolicy(policy, generated=generated_for(policy))

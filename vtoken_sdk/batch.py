@@ -15,6 +15,9 @@ Layout (all on one device)::
         query_mean_future   [B, L, H, G, D]
         query_cov_future    [B, L, H, G, D, D]
     head_dim     int                   D when no vector is given (a policy reading only s.head_dim)
+    layer_offset int                   model layer of row layer 0 (the runtime may pass layer chunks)
+    num_layers   int                   layers of the model (``s.num_layers``); None: layer_offset + L, the
+                                       batch ends at the model's last layer
 
 ``L`` layers x ``H`` KV heads are the *rows* of a request. Entries at ``n >= lengths[b]``
 are padding: never read by pooling or token reductions, never kept.
@@ -41,6 +44,19 @@ class StatsBatch:
     meta: Mapping[str, object] = field(default_factory=dict)
     vectors: Mapping[str, Tensor] = field(default_factory=dict)
     head_dim: int | None = None
+    num_layers: int | None = None
+
+    def model_layers(self) -> int:
+        """The model's layer count: ``num_layers``, or ``layer_offset + L`` when None.
+
+        Raises ValueError when ``num_layers`` is smaller than the layers the batch spans."""
+        spans = self.layer_offset + self.shape[1]
+        if self.num_layers is None:
+            return spans
+        if self.num_layers < spans:
+            raise ValueError(f"got StatsBatch.num_layers={self.num_layers}, but the batch holds layers "
+                             f"{self.layer_offset}..{spans - 1}: pass the model's layer count")
+        return int(self.num_layers)
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -97,6 +113,7 @@ class StatsBatch:
             meta=self.meta,
             vectors={k: v[ix] for k, v in self.vectors.items()},
             head_dim=self.head_dim,
+            num_layers=self.num_layers,
         )
 
     @staticmethod

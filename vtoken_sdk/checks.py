@@ -8,11 +8,11 @@ with the request/row that broke the contract.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 
 from .batch import StatsBatch
 from .errors import PolicyRuntimeError
@@ -213,7 +213,12 @@ PROPS: dict[str, tuple[Callable[[Any, StatsBatch], None], tuple[str, ...]]] = {
 
 
 def run_property(policy: Policy, prop: Callable[[Any, StatsBatch], None], modes: tuple[str, ...],
-                 examples: int) -> CheckResult:
+                 examples: int, first: Sequence[Any] = ()) -> CheckResult:
+    """Run ``prop`` on ``examples`` drawn batches (hypothesis, derandomized, shrunk on failure).
+
+    ``first``: batch specs to try before any drawn one (the falsifying examples of the policy's earlier
+    checks, those of a mode this check draws): a policy that crashes fails here at once instead of every
+    check drawing and shrinking its own copy of the same crash; the drawn examples still all run."""
     compiled = policy.compile("torch")
     stat_names = tuple(sorted(policy.stored_reads)) + tuple(sorted(policy.vector_reads))
     last: dict[str, Any] = {}
@@ -221,7 +226,7 @@ def run_property(policy: Policy, prop: Callable[[Any, StatsBatch], None], modes:
     @settings(max_examples=examples, deadline=None, database=None, derandomize=True, print_blob=False,
               suppress_health_check=list(HealthCheck))
     @given(batch_specs(modes=modes))
-    def run(spec: Any) -> None:
+    def drawn(spec: Any) -> None:
         batch = build_batch(spec, stat_names)
         try:
             prop(compiled, batch)
@@ -232,38 +237,50 @@ def run_property(policy: Policy, prop: Callable[[Any, StatsBatch], None], modes:
             last["spec"], last["err"] = spec, e
             raise ContractViolation(f"{type(e).__name__}: {e}") from e
 
+    run = drawn
+    for spec in first:
+        if spec.mode in modes:
+            run = example(spec)(run)
     try:
         run()
     except Exception as e:  # hypothesis re-raises the (shrunk) failure last
         err = last.get("err", e)
         spec = last.get("spec")
         line = err.line if isinstance(err, PolicyRuntimeError) else None
-        return CheckResult("", False, str(err), spec.describe() if spec is not None else "", line)
-    return CheckResult("", True, f"{examples} examples")
+        return CheckResult("", "fail", str(err), spec.describe() if spec is not None else "", line, spec)
+    return CheckResult("", "pass", f"{examples} examples")
 
 
-def run_checks(policy: Policy, examples: int = 200, only: tuple[str, ...] | None = None) -> PolicyReport:
+def run_checks(policy: Policy, examples: int = 200, only: tuple[str, ...] | None = None,
+               failing: list[Any] | None = None) -> PolicyReport:
+    """Run the checks ``only`` names (default: all) on ``policy``.
+
+    ``failing``: the falsifying batch specs found so far, tried first by every later property check and
+    appended to here (pass the same list to calls that check one policy piecemeal, as the CLI does)."""
     report = PolicyReport(policy.name)
     wanted = only or tuple(CHECKS)
     if "definition" in wanted:
-        report.results.append(CheckResult("definition", True, policy.describe()))
+        report.results.append(CheckResult("definition", "pass", policy.describe()))
     if "known_stats" in wanted:
         unknown = sorted(set(policy.reads) - set(CATALOG))
-        report.results.append(CheckResult("known_stats", not unknown,
-                                          f"reads {sorted(policy.reads)}" if not unknown else f"unknown {unknown}"))
+        report.results.append(CheckResult("known_stats", "fail" if unknown else "pass",
+                                          f"unknown {unknown}" if unknown else f"reads {sorted(policy.reads)}"))
+    failing = [] if failing is None else failing
     for name, (prop, modes) in PROPS.items():
         if name not in wanted:
             continue
         if name == "backend_equal":
             why = "a mask policy runs on the torch backend only" if policy.kind != "score" else _triton_runnable()
             if why is not None:
-                report.results.append(CheckResult(name, True, f"skipped: {why}"))
+                report.results.append(CheckResult(name, "skip", f"did not run: {why}"))
                 continue
             res = run_property(policy, prop, modes, min(examples, 25))
             res.name = name
             report.results.append(res)
             continue
-        res = run_property(policy, prop, modes, examples)
+        res = run_property(policy, prop, modes, examples, failing)
         res.name = name
         report.results.append(res)
+        if res.spec is not None and res.spec not in failing:
+            failing.append(res.spec)
     return report

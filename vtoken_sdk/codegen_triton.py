@@ -5,7 +5,8 @@ Python module (``vtoken-cli compile FILE --emit triton`` prints it). It holds:
 
 ``_score(l, h, o, ...)``   the policy's score for tokens ``o`` of row (layer ``l``, KV head ``h``),
                            straight from the IR: stored statistics are loaded, derived ones
-                           (``position``, ``age``, ``random``, ``layer``, ``head``, ``head_dim``) computed;
+                           (``position``, ``age``, ``random``, ``layer``, ``num_layers``, ``head``,
+                           ``head_dim``) computed;
                            pools reload the shifted window (no intermediate tensor), head means loop
                            over heads. Vector values are evaluated one component at a time: ``vt.dot``
                            loops ``d = 0..D-1`` (``acc = -0.0; acc = acc + a_d * b_d``), ``vt.matvec``
@@ -29,12 +30,12 @@ Python module (``vtoken-cli compile FILE --emit triton`` prints it). It holds:
 Selection key (same contract as :mod:`vtoken_sdk.selection`): ``s = score + 0.0``, NaN -> -inf,
 ``key = bits if bits >= 0 else bits ^ 0x7FFFFFFF`` (int32, monotone), ``u = key ^ 0x80000000``
 (uint32, same order, unsigned), pinned tokens ``u = 0xFFFFFFFF`` (above every finite or infinite
-score). Keeping the k largest ``(u, index)`` pairs is exactly the reference's composite-key top-k.
+score). Keeping the k largest ``(u, index)`` pairs is exactly the torch backend's composite-key top-k.
 
 Exactness: arithmetic uses IEEE-rounded ops only (``tl.div_rn``, ``tl.sqrt_rn``, add/sub/mul with FP
 contraction disabled at launch), constants are emitted as exact float32 bit patterns, reductions add
-in the reference's order. ``exp`` (and ``sigmoid``, ``vt.softmax``) is a fixed sequence of such ops
-shared with the reference (``reference.exp_det``), so it is exact too. ``log``/``tanh``/``pow`` use
+in the torch backend's order. ``exp`` (and ``sigmoid``, ``vt.softmax``) is a fixed sequence of such ops
+shared with the torch backend (``torch_backend.exp_det``), so it is exact too. ``log``/``tanh``/``pow`` use
 libdevice on GPUs (and numpy-backed Triton ops under the interpreter): within a few ulp, not
 bit-exact (docs/kernels.md).
 """
@@ -55,7 +56,7 @@ if TYPE_CHECKING:
 
 CODEGEN_VERSION = "2"
 APPROX_UNARY = ("log", "tanh")
-EXP_UNARY = ("exp", "sigmoid")  # exact: a fixed IEEE sequence shared with the reference (reference.exp_det)
+EXP_UNARY = ("exp", "sigmoid")  # exact: a fixed IEEE sequence shared with the torch backend (torch_backend.exp_det)
 APPROX_BINARY = ("pow",)
 RADIX_PASSES = ((0x00000000, 24), (0xFF000000, 16), (0xFFFF0000, 8), (0xFFFFFF00, 0))
 
@@ -140,7 +141,7 @@ class _Emitter:
 
     Token-level values (``N`` in ``node.axes``) are ``[BLOCK]`` tensors; head-level ones may be 0-d
     (broadcast). Vector/matrix nodes are evaluated one component at a time (``ctx.d``/``ctx.e``); the
-    reductions over D, E, G, chunks and pools loop over the index in the reference's order. Token
+    reductions over D, E, G, chunks and pools loop over the index in the torch backend's order. Token
     reductions are row values computed by the ``rowval_kernel_<i>`` pre-passes and loaded here.
     """
 
@@ -249,6 +250,8 @@ class _Emitter:
                       f"{self.pos(ctx)})")
         elif node.name == "layer":
             self.emit(f"{var} = (tl.zeros([BLOCK], dtype=tl.int32) + ({ctx.l}) + layer_offset).to(tl.float32)")
+        elif node.name == "num_layers":
+            self.emit(f"{var} = (tl.zeros([BLOCK], dtype=tl.int32) + num_layers).to(tl.float32)")
         elif node.name == "head":
             self.emit(f"{var} = (tl.zeros([BLOCK], dtype=tl.int32) + ({ctx.h})).to(tl.float32)")
         elif node.name == "head_dim":
@@ -466,7 +469,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 @triton.jit
 def _hash_uniform(seed_mix, layer, head, pos):
-    """vtoken_sdk.reference.hash_uniform with uint32 wrap-around arithmetic."""
+    """vtoken_sdk.torch_backend.hash_uniform with uint32 wrap-around arithmetic."""
     x = (pos * 0 + seed_mix).to(tl.uint32)
     x = x ^ ((pos * 0 + layer).to(tl.uint32) * 0x85EBCA77)
     x = x ^ ((pos * 0 + head).to(tl.uint32) * 0xC2B2AE3D)
@@ -524,7 +527,7 @@ def _exp_helper() -> str:
 
 @triton.jit
 def _exp(x):
-    """vtoken_sdk.reference.exp_det: a fixed sequence of IEEE float32 ops (bit-identical everywhere)."""
+    """vtoken_sdk.torch_backend.exp_det: a fixed sequence of IEEE float32 ops (bit-identical everywhere)."""
     k = tl.floor(x * {c["log2e"]!r} + 0.5)
     k = tl.minimum(tl.maximum(k, -150.0), 128.0)
     r = x - k * {c["c1"]!r}
@@ -607,8 +610,9 @@ def _store(w, depth: int, request: bool) -> None:  # type: ignore[no-untyped-def
 def kernel_args(policy: Policy) -> tuple[tuple[str, str], ...]:
     """``(name, triton type)`` of the arguments every generated kernel takes after its own (in order):
     shapes, positions, pins, stored statistics, then - for policies using them - the head dimension and
-    query-group sizes, the vector statistics (``v_<name>_ptr`` and an int64 stride per dim of
-    ``[B, L, H, *axes]``) and the row-value scratch (``rv_ptr [B, L*H, RV_K]``)."""
+    query-group sizes, the model's layer count (``num_layers``), the vector statistics (``v_<name>_ptr``
+    and an int64 stride per dim of ``[B, L, H, *axes]``) and the row-value scratch
+    (``rv_ptr [B, L*H, RV_K]``)."""
     args: list[tuple[str, str]] = [("N", "i32"), ("L", "i32"), ("H", "i32"), ("layer_offset", "i32"),
                                    ("pos_ptr", "*i64"), ("pos_sb", "i32"), ("pos_sl", "i32"), ("pos_sh", "i32"),
                                    ("pin_ptr", "*i8"), ("pin_sb", "i32"), ("pin_sl", "i32"), ("pin_sh", "i32")]
@@ -616,6 +620,8 @@ def kernel_args(policy: Policy) -> tuple[tuple[str, str], ...]:
         args += [(f"s_{n}_ptr", "*fp32"), (f"s_{n}_sb", "i32"), (f"s_{n}_sl", "i32"), (f"s_{n}_sh", "i32")]
     if _uses_dims(policy):
         args += [("D", "i32"), ("G", "i32")]
+    if "num_layers" in policy.reads:
+        args += [("num_layers", "i32")]
     for n in sorted(policy.vector_reads):
         args += [(f"v_{n}_ptr", "*fp32"), (f"v_{n}_sb", "i64"), (f"v_{n}_sl", "i64"), (f"v_{n}_sh", "i64")]
         args += [(f"v_{n}_s{a.lower()}", "i64") for a in CATALOG[n].axes]

@@ -34,7 +34,7 @@ matrices (never per token); a score must end up a token- or head-scalar. Shape m
 :class:`~vtoken_sdk.errors.PolicyDefinitionError` at decoration with file:line and the fix.
 
 Everything else - Python control flow on tensor values, in-place updates, indexing, unknown
-torch functions - raises the same error. Backends (torch reference, Triton codegen) walk this
+torch functions - raises the same error. Backends (torch_backend, Triton codegen) walk this
 IR; they never run user code.
 """
 
@@ -66,7 +66,7 @@ AXES = ("G", "N", "D", "E")  # canonical order of the axes besides [B, H]
 TOKEN_LANES = 256  # interleaved lanes of a token reduction (a power of two; every backend uses it)
 # exp is a fixed sequence of IEEE float32 operations (Cephes expf: Cody-Waite range reduction, degree-5
 # polynomial, scaling by two exact powers of two) so that every backend computes the same bits, within
-# 1 ulp of the true value (reference.exp_det, codegen_triton._exp_helper). All values are exact float32.
+# 1 ulp of the true value (torch_backend.exp_det, codegen_triton._exp_helper). All values are exact float32.
 EXP_CONSTANTS = {
     "log2e": 1.4426950216293335, "c1": 0.693359375, "c2": -0.00021219444170128554,
     "p0": 0.00019875691214110702, "p1": 0.001398199936375022, "p2": 0.008333452045917511,

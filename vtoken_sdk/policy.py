@@ -165,7 +165,6 @@ class Policy:
         self.stored_reads: frozenset[str] = frozenset(r for r in reads if r in STORED_STATS)
         # vector statistics the runtime gathers for this policy (StatsBatch.vectors)
         self.vector_reads: frozenset[str] = frozenset(r for r in reads if r in VECTOR_STATS)
-        self._compiled: dict[str, Any] = {}
 
     # --------------------------------------------------------------- metadata
     @property
@@ -217,13 +216,14 @@ class Policy:
 
     # --------------------------------------------------------------- backends
     def compile(self, backend: str | None = None, device: Any = None) -> CompiledPolicy:
-        """The compiled policy for a backend (``"torch"`` reference, or ``"triton"``; default: by ``device``)."""
+        """The compiled policy for a backend (``"torch"`` or ``"triton"``; default: by ``device``). Compiled
+        forms are cached by their backend (``vtoken_sdk.backend``), not on the policy."""
         from .backend import compile_policy
 
         return compile_policy(self, backend, device)
 
     def keep_mask(self, batch: Any) -> Tensor:
-        """``[B, L, H, N]`` keep mask with the torch reference (see ``vtoken_sdk.selection``)."""
+        """``[B, L, H, N]`` keep mask with the torch backend (see ``vtoken_sdk.selection``)."""
         return self.compile("torch").keep_mask(batch)
 
 

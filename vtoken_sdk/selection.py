@@ -5,7 +5,7 @@ per-request ``lengths [B]``, pins ``[B, R, N]`` and budgets ``[B]``:
 
 1. tokens at ``n >= lengths[b]`` (padding) are never kept;
 2. every request keeps ``k[b] = min(lengths[b], max(budget[b], max_r pins[b, r]))``
-   tokens in *every* row (one cache length per request, ARCHITECTURE decision 4);
+   tokens in *every* row (one cache length per request, docs/decisions.md decision 4);
    when pins exceed the budget all pins are kept and the overflow is reported;
 3. pinned tokens are always kept, then the highest scores among the rest;
 4. NaN ranks as -inf, -0.0 equals +0.0, ties go to the more recent token

@@ -95,6 +95,10 @@ CATALOG: dict[str, StatInfo] = {
         StatInfo("layer", "derived",
                  "index of the layer (StatsBatch.layer_offset + row layer), float32, one value per head "
                  "[B, H, 1] broadcast over the tokens", source="index", axes=()),
+        StatInfo("num_layers", "derived",
+                 "number of layers of the model (StatsBatch.num_layers, supplied by the runtime), float32 "
+                 "[B, H, 1]: write depth rules as fractions of it, e.g. s.layer >= s.num_layers // 2",
+                 source="index", axes=()),
         StatInfo("head", "derived",
                  "index of the KV head within its layer (0..H-1), float32 [B, H, 1]", source="index", axes=()),
         StatInfo("head_dim", "derived",
@@ -165,7 +169,7 @@ class TokenStats:
 
     Attributes (see ``vtoken_sdk.stats.CATALOG`` for the full text):
     ``attn_sum``, ``attn_last``, ``attn_window``, ``low_attn_count``, ``key_norm``,
-    ``value_norm``, ``position``, ``age``, ``random``, ``layer``, ``head``, ``head_dim``,
+    ``value_norm``, ``position``, ``age``, ``random``, ``layer``, ``num_layers``, ``head``, ``head_dim``,
     ``key``, ``value``, ``query_mean``, ``query_mean_future``, ``query_cov_future``.
 
     During decoration a tracing instance hands out symbolic expressions; at run time

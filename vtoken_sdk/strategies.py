@@ -9,7 +9,7 @@ distinct values), ``continuous``, ``special`` (NaN, +-inf, -0.0 mixed in).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -38,12 +38,13 @@ class BatchSpec:
     budget: tuple[int, ...] | None
     head_dim: int = 4  # D of the vector statistics
     groups: int = 2  # G: query heads per KV head
+    num_layers: int | None = None  # the model's layer count (s.num_layers); None: the batch's L
 
     def describe(self) -> str:
         return (f"B={self.b} L={self.layers} H={self.heads} N={self.n} lengths={list(self.lengths)} "
                 f"evicted-before={list(self.gaps)} mode={self.mode} seed={self.seed} "
                 f"per_row_positions={self.per_row_positions} spans={list(self.spans)} budget={self.budget} "
-                f"D={self.head_dim} G={self.groups}")
+                f"D={self.head_dim} G={self.groups} num_layers={self.num_layers}")
 
 
 def _vector(rng: np.random.Generator, mode: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -123,7 +124,7 @@ def build_batch(spec: BatchSpec, stat_names: tuple[str, ...] = STORED_STATS + VE
     vectors = build_vectors(spec, vector_names) if vector_names else {}
     return StatsBatch(stats=stats, lengths=lengths, positions=positions, seq_lens=seq_lens,
                       pinned=pinned if spec.spans else None, budget=budget, meta={"spec": spec}, vectors=vectors,
-                      head_dim=spec.head_dim)
+                      head_dim=spec.head_dim, num_layers=spec.num_layers)
 
 
 @st.composite
@@ -148,7 +149,11 @@ def batch_specs(draw: Any, max_b: int = 4, max_layers: int = 2, max_heads: int =
         budget = tuple(draw(st.lists(st.integers(0, n + 2), min_size=b, max_size=b)))
     head_dim = draw(st.integers(1, max_head_dim))
     groups = draw(st.integers(1, max_groups))
-    return BatchSpec(b, layers, heads, n, lengths, gaps, mode, seed, per_row, spans, budget, head_dim, groups)
+    # the model's depth past the batch's layers, from the seed rather than a draw of its own (an extra draw
+    # would change every example hypothesis generates for the other fields): None = the batch's L
+    num_layers = None if seed % 3 == 0 else layers + (seed // 3) % 41
+    return BatchSpec(b, layers, heads, n, lengths, gaps, mode, seed, per_row, spans, budget, head_dim, groups,
+                     num_layers)
 
 
 def stats_batches(stat_names: tuple[str, ...] = STORED_STATS, **kw: Any) -> st.SearchStrategy[StatsBatch]:
@@ -160,13 +165,25 @@ def stats_batches(stat_names: tuple[str, ...] = STORED_STATS, **kw: Any) -> st.S
 # ---------------------------------------------------------------------------- check_policy
 
 
+Status = Literal["pass", "fail", "skip"]
+STATUSES: tuple[Status, ...] = ("pass", "fail", "skip")
+
+
 @dataclass
 class CheckResult:
+    """One check of one policy. ``status``: ``"pass"`` (it ran and held), ``"fail"`` (it ran and broke,
+    or could not run because the policy is broken), ``"skip"`` (it did not run; ``detail`` says why)."""
+
     name: str
-    ok: bool
+    status: Status
     detail: str = ""
     example: str = ""
     line: int | None = None
+    spec: BatchSpec | None = field(default=None, repr=False, compare=False)  # the falsifying batch, if any
+
+    def __post_init__(self) -> None:
+        if self.status not in STATUSES:
+            raise ValueError(f"got CheckResult.status={self.status!r}, expected one of {STATUSES}")
 
 
 @dataclass
@@ -176,12 +193,18 @@ class PolicyReport:
 
     @property
     def ok(self) -> bool:
-        return all(r.ok for r in self.results)
+        """No check failed (skipped checks did not run: see :meth:`count`)."""
+        return not any(r.status == "fail" for r in self.results)
+
+    def count(self, status: Status) -> int:
+        """How many checks ended with ``status``."""
+        return sum(r.status == status for r in self.results)
 
     def summary(self) -> str:
-        lines = [f"policy {self.policy}:"]
+        lines = [f"policy {self.policy}: " + ", ".join(
+            f"{self.count(st)} {word}" for st, word in zip(STATUSES, ("passed", "failed", "skipped"), strict=True))]
         for r in self.results:
-            lines.append(f"  [{'PASS' if r.ok else 'FAIL'}] {r.name} {r.detail}")
+            lines.append(f"  [{r.status.upper()}] {r.name} {r.detail}")
             if r.example:
                 lines.append(f"      falsifying example: {r.example}")
         return "\n".join(lines)

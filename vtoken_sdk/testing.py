@@ -27,14 +27,15 @@ from .strategies import (
     BatchSpec,
     CheckResult,
     PolicyReport,
+    Status,
     batch_specs,
     build_batch,
     build_vectors,
     stats_batches,
 )
 
-__all__ = ["MODES", "BatchSpec", "CheckResult", "PolicyReport", "batch_specs", "build_batch", "build_vectors",
-           "check_policy", "stats_batches"]
+__all__ = ["MODES", "BatchSpec", "CheckResult", "PolicyReport", "Status", "batch_specs", "build_batch",
+           "build_vectors", "check_policy", "stats_batches"]
 
 
 def check_policy(policy: Any, examples: int = 200, checks: tuple[str, ...] | None = None) -> PolicyReport:

@@ -1,6 +1,6 @@
 """Triton backend: a policy compiled to fused score + select kernels (vtoken_sdk.codegen_triton).
 
-``TritonPolicy(policy).keep_mask(batch)`` is bit-identical to ``ReferencePolicy(policy).keep_mask(batch)``
+``TritonPolicy(policy).keep_mask(batch)`` is bit-identical to ``TorchPolicy(policy).keep_mask(batch)``
 (for policies using exactly-rounded ops; see docs/kernels.md). Two launches per call:
 
 1. ``pin_count_kernel`` grid ``(B, R_OUT)``: pinned valid tokens of each row (k needs the max over
@@ -17,8 +17,10 @@ values (``[B, L*H, RV_K]`` float32 scratch) that the score then loads. Vector st
 (``StatsBatch.vectors``) are read in place through their strides. Runs on CUDA tensors, or on CPU
 tensors under ``TRITON_INTERPRET=1`` (set it before this module is imported).
 
-Compiled modules are cached per (policy IR key, triton version, interpreter flag); Triton's own
-JIT cache then keys the binaries by the constexpr parameters (BLOCK, SINGLE, HAS_PINNED, RBLOCK).
+Caches, all owned here: the generated source of each policy object (``generated_for``: weak keys, so a
+dropped policy is dropped with it; nothing is stored on the policy), the imported modules per (policy IR
+key, triton version, interpreter flag); Triton's own JIT cache then keys the binaries by the constexpr
+parameters (BLOCK, SINGLE, HAS_PINNED, RBLOCK).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import importlib.util
 import os
 import sys
 import threading
+import weakref
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -37,7 +40,7 @@ from torch import Tensor
 from . import codegen_triton
 from .batch import StatsBatch
 from .ir import TOKEN_LANES
-from .reference import ReferencePolicy
+from .torch_backend import TorchPolicy
 
 if TYPE_CHECKING:
     from .policy import Policy
@@ -48,6 +51,8 @@ MIN_BLOCK = 256  # = histogram bins
 
 _MODULES: dict[tuple[str, str, bool], ModuleType] = {}
 _LOCK = threading.Lock()
+# the generated kernels of each policy object; the values hold no reference to their key
+_GENERATED: weakref.WeakKeyDictionary[Policy, codegen_triton.GeneratedPolicy] = weakref.WeakKeyDictionary()
 
 
 def interpreting() -> bool:
@@ -97,6 +102,17 @@ def load_generated(gen: codegen_triton.GeneratedPolicy, interpret: bool | None =
         return mod
 
 
+def generated_for(policy: Policy) -> codegen_triton.GeneratedPolicy:
+    """``policy``'s generated kernels, generated once per policy object (cached with a weak key)."""
+    with _LOCK:
+        gen = _GENERATED.get(policy)
+    if gen is None:
+        gen = codegen_triton.generate(policy)
+        with _LOCK:
+            gen = _GENERATED.setdefault(policy, gen)
+    return gen
+
+
 def _next_pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
@@ -115,14 +131,17 @@ class TritonPolicy:
     backend = "triton"
 
     def __init__(self, policy: Policy, max_single: int = DEFAULT_MAX_SINGLE, tile: int = DEFAULT_TILE,
-                 num_warps: int | None = None, interpret: bool | None = None) -> None:
+                 num_warps: int | None = None, interpret: bool | None = None,
+                 generated: codegen_triton.GeneratedPolicy | None = None) -> None:
+        """``generated``: ``generated_for(policy)`` (what ``compile_policy`` passes); generated here when
+        None."""
         if policy.kind != "score":
             raise ValueError(f"policy {policy.name!r} is a mask policy: only the torch backend runs it")
         if tile < MIN_BLOCK or tile & (tile - 1):
             raise ValueError(f"tile must be a power of two >= {MIN_BLOCK}, got {tile}")
         self.policy = policy
-        self.reference = ReferencePolicy(policy)
-        self.generated = codegen_triton.generate(policy)
+        self.torch = TorchPolicy(policy)
+        self.generated = codegen_triton.generate(policy) if generated is None else generated
         self.module = load_generated(self.generated, interpret)
         self.max_single = int(max_single)
         self.tile = int(tile)
@@ -134,13 +153,13 @@ class TritonPolicy:
 
     # ------------------------------------------------------------------ delegated (host-side) parts
     def env(self, batch: StatsBatch) -> dict[str, Tensor]:
-        return self.reference.env(batch)
+        return self.torch.env(batch)
 
     def budgets(self, batch: StatsBatch) -> Tensor:
-        return self.reference.budgets(batch)
+        return self.torch.budgets(batch)
 
     def pins(self, batch: StatsBatch, env: dict[str, Tensor] | None = None) -> Tensor:
-        return self.reference.pins(batch, env)
+        return self.torch.pins(batch, env)
 
     # ------------------------------------------------------------------ launch helpers
     def config(self, n: int) -> dict[str, Any]:
@@ -178,6 +197,8 @@ class TritonPolicy:
         d, g = batch.dims() if "D" in names else (1, 1)
         if "D" in names:
             args += [d, g]
+        if "num_layers" in names:
+            args.append(batch.model_layers())
         for name in gen.vectors:
             if name not in batch.vectors:
                 raise ValueError(f"batch lacks vector statistic {name!r} that policy {self.policy.name!r} reads; "

@@ -1,8 +1,10 @@
-"""Torch reference of the per-slot attention statistics the Triton kernel computes (attn_stats_triton).
+"""Test oracle (and benchmark baseline) of the per-slot attention statistics the kernels compute (the Triton
+``attn_stats_triton``, the numba ``stats.cpu_kernel``): nothing runs it at run time.
 
-The definitions are the catalog's (``vtoken_sdk.stats.CATALOG``), implemented once in
-``vtoken_runtime.stats.reference``; this module only wires them to a paged cache given as plain
-tensors, the way the kernel sees it: ``query [B, Q, H_q, D]``, ``key_cache / value_cache
+It computes the probabilities densely (``paged_attention``) and applies the torch backend's update rules
+(``vtoken_runtime.stats.torch_stats``), wired to a paged cache given as plain tensors, the way the kernels see
+it (an oracle for the kernels' tiling, gathers and passes, not for the rules themselves: those are checked
+against the independent ``tests/oracles/stats_reference.py``): ``query [B, Q, H_q, D]``, ``key_cache / value_cache
 [NB, bs, H_kv, D]``, ``block_tables [B, max_blocks]``, ``cache_lens [B]``, ``query_pos [B, Q]``
 (-1 = padding), ``key_positions [R, NB * bs]`` (R = H_kv or 1; -1 = dead), ``prompt_lens [B]``
 (default: the end of this step, i.e. the step completes the prompt).
@@ -17,7 +19,7 @@ import torch
 from vtoken_sdk.stats import StatsConfig
 
 from ..paged_attention import paged_attention
-from ..stats.reference import ATTENTION_STATS, SET_STATS, fold, step_contributions, visibility
+from ..stats.torch_stats import ATTENTION_STATS, SET_STATS, fold, step_contributions, visibility
 from ..token_table import slot_index
 
 STAT_NAMES = ATTENTION_STATS

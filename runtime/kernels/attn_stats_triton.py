@@ -3,14 +3,14 @@
 Paged attention kernels do not return probabilities; H2O, TOVA, SnapKV and Scissorhands need them.
 These two kernels recompute ``softmax(scale * q . K)`` for the step's query tokens over the
 request's paged keys (GQA: the G query heads of a KV head packed as rows of one ``tl.dot``) and
-update the layer's per-slot statistics in place. Semantics: :mod:`.attn_stats_ref` (the torch
-reference; exact definitions there and in docs/kernels.md).
+update the layer's per-slot statistics in place. Semantics: ``vtoken_runtime.stats.torch_stats`` (the torch
+backend's rules; exact definitions in docs/kernels.md; test oracle :mod:`.attn_stats_ref`).
 
 1. ``softmax_rows_kernel`` grid ``(B, H_kv, cdiv(Q, BLOCK_Q))``: online max / sum-of-exp of every
    (query, query head) row over all key tiles -> ``m, l`` and the visible-key count (``[B, H_q, Q]``).
 2. ``slot_stats_kernel`` grid ``(B, H_kv, cdiv(max_blocks * bs, BLOCK_N))``: for one tile of key
    slots, loop over the query blocks, ``P = sum_g exp(s - m) / l`` and reduce over queries into the
-   four statistics (semantics of ``vtoken_runtime.stats.reference``); each (request, KV head, slot) belongs to exactly one program, so accumulation
+   four statistics (semantics of ``vtoken_runtime.stats.torch_stats``); each (request, KV head, slot) belongs to exactly one program, so accumulation
    is a plain load-add-store (deterministic, no atomics).
 
 Keys are read twice (pass 1 and 2) and queries once per key tile; the statistics are written once.
@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attn_stats_ref import STAT_NAMES
+from ..stats.torch_stats import ATTENTION_STATS as STAT_NAMES
 
 NEG_INF: tl.constexpr = tl.constexpr(float("-inf"))
 
@@ -200,7 +200,7 @@ def update_attn_stats(
 ) -> None:
     """Update ``stats[name]`` (``[H_kv, S]`` float32, names from :data:`STAT_NAMES`) in place for one
     layer and one step; ``prompt_lens [B]`` (default: the end of this step) places the observation
-    window; see :mod:`.attn_stats_ref` / ``vtoken_runtime.stats.reference`` for the definitions."""
+    window; see :mod:`.attn_stats_ref` / ``vtoken_runtime.stats.torch_stats`` for the definitions."""
     unknown = set(stats) - set(STAT_NAMES)
     if unknown:
         raise ValueError(f"unknown attention statistics {sorted(unknown)}; known: {STAT_NAMES}")

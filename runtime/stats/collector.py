@@ -7,7 +7,7 @@
                                                by one of three backends (same rules, tested equal):
 
         backend   where                what it computes
-        torch     reference, CPU       the probabilities over the paged cache, then fold_probs
+        torch     torch_stats, any     the probabilities over the paged cache, then fold_probs
         triton    CUDA caches          two passes over the keys (row max / sum-of-exp, then per key the
                                        reductions); no probability matrix (kernels.attn_stats_triton)
         numba     CPU, when available  the same two passes compiled for the CPU (stats.cpu_kernel)
@@ -15,7 +15,7 @@
     ``backend="auto"`` (env ``VTOKEN_STATS_BACKEND``) picks triton for CUDA caches, numba on CPU when the
     kernel module imports, torch otherwise.
 
-Only the statistics in ``stat_names`` are collected; the rules are :mod:`.reference`'s.
+Only the statistics in ``stat_names`` are collected; the rules are :mod:`.torch_stats`'s.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 
 from vtoken_sdk.stats import StatsConfig
 
-from .reference import ATTENTION_STATS, KV_STATS, fold, step_contributions, visibility
+from .torch_stats import ATTENTION_STATS, KV_STATS, fold, step_contributions, visibility
 
 log = logging.getLogger("vtoken.stats")
 
@@ -63,7 +63,7 @@ class StatsCollector:
         """Key/value norms of freshly cached tokens: ``k, v [T, H_kv, D]`` at physical ``slots [T]``."""
         for name, x in (("key_norm", k), ("value_norm", v)):
             if name in self.kv:
-                self.cache.stats_tensor(name)[layer][:, slots] = torch.linalg.vector_norm(x.float(), dim=-1).T
+                self.cache.scatter_stats(name, layer, slots, torch.linalg.vector_norm(x.float(), dim=-1).T, "set")
 
     def fold_probs(self, layer: int, md: Any, probs: torch.Tensor, query_pos: torch.Tensor,
                    prompt_lens: torch.Tensor) -> None:
@@ -80,7 +80,7 @@ class StatsCollector:
             vis = visibility(cache.key_positions(layer), md.block_tables, md.cache_lens, cache.block_size, L, query_pos)
         contrib = step_contributions(probs, vis, query_pos, md.cache_lens, prompt_lens, self.group_size, self.cfg,
                                      self.attn)
-        fold({n: cache.stats_tensor(n)[layer] for n in self.attn}, contrib, b_idx, j_idx, slots)
+        fold(cache.stats_update_handles(layer, self.attn), contrib, b_idx, j_idx, slots)
         self.seconds += time.perf_counter() - t0
 
     def attention(self, layer: int, query: torch.Tensor, md: Any, query_pos: torch.Tensor,
@@ -112,7 +112,7 @@ class StatsCollector:
                 if self._keys is not None:
                     raise RuntimeError("vtoken: the numba statistics kernel failed and no other backend reads this "
                                        f"cache's key layout ({type(e).__name__}: {e})") from e
-                log.warning("vtoken: the numba statistics kernel failed (%s: %s); the torch reference collects the "
+                log.warning("vtoken: the numba statistics kernel failed (%s: %s); the torch backend collects the "
                             "statistics from now on", type(e).__name__, e)
                 self.backend, self._kernel = "torch", None
                 self.seconds += time.perf_counter() - t0
@@ -120,7 +120,7 @@ class StatsCollector:
                 return
         else:
             self._kernel(query, cache.key_cache(layer), md.block_tables, md.cache_lens, query_pos,
-                         cache.key_positions(layer), {n: cache.stats_tensor(n)[layer] for n in self.attn}, scale=scale,
+                         cache.key_positions(layer), cache.stats_update_handles(layer, self.attn), scale=scale,
                          obs_window=cfg.obs_window, history_window=cfg.history_window,
                          low_attn_threshold=cfg.low_attn_threshold, prompt_lens=prompt_lens)
         self.seconds += time.perf_counter() - t0
@@ -133,12 +133,12 @@ class StatsCollector:
         from .cpu_kernel import prepare_layer, prepare_step, run_prepared
 
         cache, cfg = self.cache, self.cfg
+        handles = cache.stats_update_handles(layer, self.attn)
         key = (cache.key_cache(layer) if self._keys is None else self._keys[layer], cache.store.positions.data_ptr(),
-               *(cache.store.tensor(n).data_ptr() for n in self.attn))
+               *(h.data_ptr() for h in handles.values()))
         prep = self._layers.get(layer)
         if prep is None or prep[0][0] is not key[0] or prep[0][1:] != key[1:]:
-            prep = (key, prepare_layer(key[0], cache.key_positions(layer),
-                                       {n: cache.store.tensor(n)[layer] for n in self.attn}))
+            prep = (key, prepare_layer(key[0], cache.key_positions(layer), handles))
             self._layers[layer] = prep
         if self._step is None or self._step[0] is not md or self._step[1] is not query_pos \
                 or self._step[2] is not prompt_lens or self._step[3] is not token_index:

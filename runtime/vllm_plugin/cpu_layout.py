@@ -1,4 +1,4 @@
-"""vLLM's CPU KV cache layout: probed element maps, the copy engine and the torch reference views.
+"""vLLM's CPU KV cache layout: probed element maps, the copy engine and the strided K/V views the torch paths read.
 
 vLLM's CPU attention stores each layer as ``[NB, H_kv, bs, 2D]`` but the order of K and V elements
 inside one (block, head) region depends on the kernel ISA, so it is measured once with the real op
@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from vtoken_runtime.copy_engine import CopyEngine
-from vtoken_runtime.stats.cpu_kernel import PairedKeys
+from vtoken_runtime.stats.cpu_gather import PairedKeys
 
 
 def probe_cpu_kv_layout(isa: str, dtype: torch.dtype, block_size: int, head_size: int
@@ -194,7 +194,7 @@ def vllm_cpu_views(kv_caches: Sequence[torch.Tensor], kmap: np.ndarray, vmap: np
     ka, va = _affine(kmap), _affine(vmap)
     if ka is None or va is None:
         raise ValueError(f"vtoken: the CPU KV layout of {kv_caches[0].dtype} is not affine per block; "
-                         "the torch reference views cannot address it (use the vec ISA: float32, or bfloat16 with a policy that "
+                         "no strided K/V view (the torch paths') can address it (use the vec ISA: float32, or bfloat16 with a policy that "
                          "reads the cache, which selects it)")
     bs, D = kmap.shape
     out = []

@@ -1,17 +1,21 @@
-"""Scheduler side of the vLLM plugin: allocation and freeing by cache length.
+"""Scheduler side of the vLLM plugin: it routes; the block lists are owned by :mod:`.block_manager`.
 
-vLLM's scheduler sizes a request's KV blocks from ``request.num_computed_tokens`` (the TRUE length,
-which drives positions, stop checks and max_model_len and must not change). vToken keeps that and
-subtracts, for allocation only, the tokens the worker evicted:
+vLLM's scheduler sizes a request's KV blocks from its TRUE length, which drives positions, stop checks and
+max_model_len and is never changed here. The request's block list, its eviction count and every allocation
+and free of its blocks belong to one owner, :class:`~.block_manager.EvictingAttentionManager` (vLLM's
+full-attention manager by cache length), which vLLM builds for this scheduler's KV cache group: the group
+gets the role ``VTOKEN_ROLE`` in this scheduler's copy of the KV cache configuration, and the manager is
+registered for that role. This class only routes:
 
-    blocks needed = cdiv(num_computed_tokens - evicted + num_new_tokens, block_size)
+    update_from_output   the worker's report (``vtoken_report = {req_id: Truncation(true_len, cache_len)}``,
+                         attached to the ModelRunnerOutput of the step) goes to ``manager.truncate``, which
+                         frees the tail blocks; the next ``schedule()`` can admit more requests
+    schedule             a request whose block list shrank gets its whole list in the scheduler output, sent
+                         the way a resumed request's is (vLLM's runner then replaces its copy of the row)
+    admission            the manager asks :meth:`VTokenScheduler.admission_tokens` for a waiting request's peak
 
-``evicted`` is learnt from the worker's report attached to the ModelRunnerOutput of the same step
-(``vtoken_report = {req_id: cache_length}``; synchronous scheduling, so the report always arrives
-before the next ``schedule()``). When a report arrives the request's tail blocks beyond
-``cdiv(cache_length, block_size)`` go back to vLLM's block pool (tail first), exactly the blocks the
-worker dropped from its block-table row, and the next ``schedule()`` can admit more requests.
-Preemption (recompute) and finishing free everything as usual and reset ``evicted``.
+Preemption (recompute) and finishing free everything through vLLM as usual; the manager forgets the eviction
+count with the blocks.
 
 Admission. vLLM admits a waiting request only if its whole sequence fits (``scheduler_reserve_full_isl``,
 on by default: no over-admission with chunked prefill). With a budget that evicts after every prefill chunk
@@ -23,13 +27,12 @@ prefill; every other request keeps vLLM's check.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
 
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.request import RequestStatus
 
-from vtoken_runtime.token_table import cdiv
-
+from . import block_manager
 from .config import PluginConfig, request_options
 
 log = logging.getLogger("vtoken.vllm")
@@ -56,45 +59,34 @@ def check_supported(vllm_config: Any) -> None:
 
 
 class VTokenScheduler(Scheduler):
-    """vLLM v1 ``Scheduler`` allocating by cache length and freeing tail blocks after reclamation."""
+    """vLLM v1 ``Scheduler`` whose KV cache manager allocates by cache length (see module doc)."""
 
-    def __init__(self, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
         self._vt_cfg = PluginConfig.from_vllm_config(vllm_config)
         check_supported(vllm_config)
-        super().__init__(vllm_config, *args, **kwargs)
-        groups = self.kv_cache_config.kv_cache_groups
+        groups = kv_cache_config.kv_cache_groups
         if len(groups) != 1:
             raise ValueError(f"vtoken: only one KV cache group is supported, got {len(groups)}")
-        self._vt_block_size = groups[0].kv_cache_spec.block_size
-        self._vt_evicted: dict[str, int] = {}
+        block_manager.register()
+        # this scheduler's own copy: the group's role selects the evicting manager (the workers' is untouched)
+        kv_cache_config = replace(kv_cache_config, kv_cache_groups=[replace(groups[0], role=block_manager.VTOKEN_ROLE)])
+        super().__init__(vllm_config, kv_cache_config, *args, **kwargs)
+        (mgr,) = self.kv_cache_manager.coordinator.single_type_managers
+        if not isinstance(mgr, block_manager.EvictingAttentionManager):
+            raise RuntimeError(f"vtoken: vLLM built {type(mgr).__name__} for the vtoken KV cache group")
+        self._vt_blocks: block_manager.EvictingAttentionManager = mgr
         self.vtoken_stats = {"reports": 0, "blocks_freed": 0, "max_running": 0}
         pol = self._vt_cfg.load_policy()
         self._vt_budget = pol.budget if pol is not None else None
         sc = vllm_config.scheduler_config
         lpt = int(getattr(sc, "long_prefill_token_threshold", 0) or 0)
         self._vt_chunk = min(int(sc.max_num_batched_tokens), lpt) if lpt > 0 else int(sc.max_num_batched_tokens)
-        mgr = self.kv_cache_manager
-        orig, pool = mgr.allocate_slots, mgr.block_pool
+        mgr.bind_admission(self._vt_peak_tokens)
 
-        def allocate_slots(request: Any, num_new_tokens: int, *a: Any, **kw: Any) -> Any:
-            if kw.get("full_sequence_must_fit"):  # vLLM's admission check of a waiting request
-                peak = self.admission_tokens(request)
-                if peak < int(request.num_tokens):
-                    wm = getattr(mgr, "watermark_blocks", 0) if kw.get("has_scheduled_reqs", True) else 0
-                    free = pool.get_num_free_blocks() - int(kw.get("reserved_blocks", 0))
-                    if cdiv(peak, self._vt_block_size) + wm > free:
-                        return None
-                    kw["full_sequence_must_fit"] = False
-            ev = self._vt_evicted.get(request.request_id, 0)
-            if not ev:
-                return orig(request, num_new_tokens, *a, **kw)
-            request.num_computed_tokens -= ev  # allocation by cache length; restored right after
-            try:
-                return orig(request, num_new_tokens, *a, **kw)
-            finally:
-                request.num_computed_tokens += ev
-
-        mgr.allocate_slots = allocate_slots
+    def _vt_peak_tokens(self, req_id: str) -> int:
+        """The block manager's admission rule: :meth:`admission_tokens` of a known request, no bound otherwise."""
+        req = self.requests.get(req_id)
+        return self.admission_tokens(req) if req is not None else 1 << 62
 
     def admission_tokens(self, request: Any) -> int:
         """The most tokens ``request`` will hold during its (re)prefill of ``n`` tokens in chunks of at most the
@@ -114,48 +106,30 @@ class VTokenScheduler(Scheduler):
             return n
         return b.override(opts.budget_tokens, opts.eviction_ratio).chunked_prefill_peak(n, self._vt_chunk)
 
-    # ------------------------------------------------------------------ bookkeeping
+    # ------------------------------------------------------------------ the owner's figures
     def evicted_tokens(self, req_id: str) -> int:
         """Tokens of ``req_id`` no longer in the cache (its true length minus its cache length)."""
-        return self._vt_evicted.get(req_id, 0)
+        return self._vt_blocks.evicted_tokens(req_id)
 
     def held_blocks(self, req_id: str) -> int:
-        mgr = self.kv_cache_manager.coordinator.single_type_managers[0]
-        return len(mgr.req_to_blocks.get(req_id, ()))
+        return self._vt_blocks.held_blocks(req_id)
 
-    def _free_request_blocks(self, request: Any) -> None:
-        self._vt_evicted.pop(request.request_id, None)
-        super()._free_request_blocks(request)
-
+    # ------------------------------------------------------------------ routing
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         out = super().schedule(*args, **kwargs)
         self.vtoken_stats["max_running"] = max(self.vtoken_stats["max_running"], len(self.running))
+        cached = out.scheduled_cached_reqs
+        resend = self._vt_blocks.rows_to_resend(cached.req_ids)
+        for i, rid in enumerate(cached.req_ids):
+            if rid in resend:  # the runner replaces its row with the whole (truncated) list
+                cached.new_block_ids[i] = self.kv_cache_manager.get_block_ids(rid)
+                cached.resumed_req_ids.add(rid)
         return out
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         report = getattr(model_runner_output, "vtoken_report", None)
         if report:
-            self._vt_apply(report)
+            self.vtoken_stats["reports"] += 1
+            for rid, t in report.items():
+                self.vtoken_stats["blocks_freed"] += self._vt_blocks.truncate(rid, t)
         return super().update_from_output(scheduler_output, model_runner_output)
-
-    def _vt_apply(self, report: dict[str, int]) -> None:
-        self.vtoken_stats["reports"] += 1
-        mgr = self.kv_cache_manager.coordinator.single_type_managers[0]
-        pool = self.kv_cache_manager.block_pool
-        bs = self._vt_block_size
-        for rid, length in report.items():
-            req = self.requests.get(rid)
-            if req is None or req.status != RequestStatus.RUNNING:
-                continue
-            ev = int(req.num_computed_tokens) - int(length)
-            if ev < 0:
-                raise RuntimeError(f"vtoken: request {rid} reports cache length {length} > true length "
-                                   f"{req.num_computed_tokens}")
-            self._vt_evicted[rid] = ev
-            blocks = mgr.req_to_blocks.get(rid)
-            keep = cdiv(int(length), bs)
-            if blocks is not None and len(blocks) > keep:
-                tail = blocks[keep:]
-                del blocks[keep:]
-                pool.free_blocks(reversed(tail))
-                self.vtoken_stats["blocks_freed"] += len(tail)

@@ -6,8 +6,8 @@ every scheduled request reserves its new tokens in the :class:`~vtoken_runtime.c
 block ids come from the tail of the request's vLLM block-table row) and returns the slot of every new
 token and the cache length of every request::
 
-    vLLM row  [b0 b1 b2 b3 ...]        cache_len = used + n      (live tokens after compaction + new)
-    slot of new token i = row[(used + i) // bs] * bs + (used + i) % bs
+    vLLM row  [b0 b1 b2 b3 ...]        seq_len = cache_len + n   (cache_len: live tokens after compaction; n new)
+    slot of new token i = row[(cache_len + i) // bs] * bs + (cache_len + i) % bs
 
 The runner then writes these, in place, into vLLM's persistent buffers (CPU and GPU alike):
 
@@ -16,8 +16,8 @@ The runner then writes these, in place, into vLLM's persistent buffers (CPU and 
     optimistic_seq_lens_cpu   the host upper bound behind ``max_seq_len`` (FlashInfer treats it as exact)
 
 Block-table rows need no rewrite: a request's cache blocks ARE the head of its vLLM row (compaction
-frees tail blocks and the runner truncates the row to them), and vLLM commits the rows to the device at
-the start of every step. The causal alignment of a chunk is ``seq_len - query_len`` as before; the
+frees tail blocks; the scheduler's block manager frees the same ones and the next scheduler output gives
+the runner the truncated row), and vLLM commits the rows to the device at the start of every step. The causal alignment of a chunk is ``seq_len - query_len`` as before; the
 cached prefix may be in any order (RoPE was applied before caching).
 """
 

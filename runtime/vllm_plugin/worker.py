@@ -14,14 +14,15 @@ only per-device piece is ``_vt_kv_access`` (how the cache reaches the K/V tensor
                         place by CACHE length (see that module for the picture).
     forward             the unmodified paged kernel; the impl wrapper collects the declared statistics and,
                         for a policy reading query statistics, records the eligible requests' post-RoPE
-                        queries in the query window store (:mod:`vtoken_runtime.stats.queries`; keys and
+                        queries in the query window store (:mod:`vtoken_runtime.stats.query_vectors`; keys and
                         values a policy reads come from the KV cache itself at eviction time)
     sample_tokens       after sampling: requests whose prompt is complete and whose live count exceeds
-                        budget + slack are evicted (one batched keep-mask call of the compiled policy),
+                        budget + slack are evicted (one batched keep-mask call of the compiled policy) and
                         reclaimed (plan + async copy on the real KV tensors, fenced before the next
-                        attention), their block-table rows truncated to the blocks the scheduler keeps,
-                        and ``{req_id: scheduler cache length}`` is attached to the ModelRunnerOutput
-                        (``vtoken_report``) for the scheduler, which frees the same tail blocks.
+                        attention); ``{req_id: Truncation(true length, cache length)}`` is attached to the
+                        ModelRunnerOutput (``vtoken_report``) for the scheduler's block manager, which frees
+                        the tail blocks; the next scheduler output sends this runner the truncated rows
+                        (as resumed requests' rows are sent). The worker edits no vLLM block list.
 
 Naive-Evict mode: the same decisions and the same (compacted, exact) attention, but the reported
 length follows the naive rule (a block is held while any token ever placed in it is live), so the
@@ -45,7 +46,7 @@ from vtoken_runtime.block_pool import BlockPool
 from vtoken_runtime.eviction import EvictionDriver
 from vtoken_runtime.stats import StatsCollector
 from vtoken_runtime.stats.collector import resolve_backend
-from vtoken_runtime.stats.queries import FUTURE_STATS, QueryWindows
+from vtoken_runtime.stats.query_vectors import FUTURE_STATS, QueryWindows
 from vtoken_runtime.stats.rope import rotary_tables
 from vtoken_runtime.token_table import cdiv
 from vtoken_sdk.stats import ATTENTION_STATS, KVCACHE_STATS, QUERY_STATS
@@ -53,6 +54,7 @@ from vtoken_sdk.stats import ATTENTION_STATS, KVCACHE_STATS, QUERY_STATS
 from .collector import StepContext, VTokenAttentionImpl, build_step_index
 from .config import PluginConfig, RequestOptions, describe_policy, request_options
 from .metrics import record_step
+from .report import Truncation
 from .step_inputs import place_new_tokens, true_positions
 
 log = logging.getLogger("vtoken.vllm")
@@ -63,8 +65,9 @@ _NO_STATS_STEP = StepContext([], None, torch.zeros(0, dtype=torch.int64), torch.
 
 class ExternalPool(BlockPool):
     """The VTokenCache's pool, driven by vLLM's allocator: ``feed(ids)`` names the blocks the next
-    ``reserve`` takes (the tail of the request's vLLM block-table row). Refcounts and the POOL
-    invariant are kept as in :class:`BlockPool`, so the cache's own checks stay meaningful."""
+    ``reserve`` takes (the tail of the request's vLLM block-table row), which :meth:`BlockPool.take` takes
+    (O(1) per block). Refcounts and the POOL invariant are kept by :class:`BlockPool`, so the cache's own
+    checks stay meaningful."""
 
     def __init__(self, num_blocks: int, debug: bool | None = None) -> None:
         super().__init__(num_blocks, debug=debug)
@@ -80,11 +83,7 @@ class ExternalPool(BlockPool):
             raise RuntimeError(f"vtoken: the scheduler allocated {len(self._feed)} new block(s) but the cache "
                                f"needs {n} (allocation by cache length out of sync)")
         out, self._feed = self._feed[:n], self._feed[n:]
-        if (self._ref[out] != 0).any():
-            raise RuntimeError(f"vtoken: block(s) {out} handed out by vLLM are still held in the token table")
-        for b in out:
-            self._free.remove(b)
-        self._ref[out] += 1
+        self.take(out)  # InvariantError if vLLM handed out a block the token table still holds
         return out
 
 
@@ -375,10 +374,11 @@ class VTokenRunnerMixin:
         return out
 
     # ------------------------------------------------------------------ eviction
-    def _vt_after_step(self, req_ids: list[str]) -> dict[str, int]:
-        """The driver's step for requests whose prompt is complete, then the block-table rows (and the
-        runner's own copy of each request's block ids, used when a request re-enters the persistent
-        batch) truncated to what the scheduler keeps. Returns ``{req_id: scheduler cache length}``."""
+    def _vt_after_step(self, req_ids: list[str]) -> dict[str, Truncation]:
+        """The driver's step for requests whose prompt is complete. Returns, per evicted request, the scheduler's
+        :class:`~.report.Truncation` (its true length and the cache length the scheduler keeps blocks
+        for). The worker edits no vLLM block list: the scheduler's block manager frees the tail blocks and the
+        next scheduler output sends the runner the truncated row."""
         cache = self._vt_cache
         phases: dict[str, str] = {}
         for rid in req_ids:
@@ -395,23 +395,12 @@ class VTokenRunnerMixin:
         step = self._vt_driver.step(list(phases), phases)
         if self._vt_rank == 0:
             record_step(step)
-        report: dict[str, int] = {}
-        if step.evicted:
-            bt = self.input_batch.block_table[0]
-            naive = self._vt_cfg.mode == "naive"
-            for rid in step.evicted:
-                length = cache.naive_cache_len(rid) if naive else cache.cache_len(rid)
-                keep_blocks = cdiv(length, cache.block_size)
-                row = self.input_batch.req_id_to_index[rid]
-                if bt.num_blocks_per_row[row] > keep_blocks:
-                    bt.num_blocks_per_row[row] = keep_blocks
-                ids = self.requests[rid].block_ids[0]
-                if len(ids) > keep_blocks:
-                    del ids[keep_blocks:]
-                report[rid] = length
-            if self._vt_cfg.debug:
-                cache.fence()
-                cache.check_invariants()
+        naive = self._vt_cfg.mode == "naive"
+        report = {rid: Truncation(cache.logical_len(rid), cache.naive_cache_len(rid) if naive else cache.cache_len(rid))
+                  for rid in step.evicted}
+        if report and self._vt_cfg.debug:
+            cache.fence()
+            cache.check_invariants()
         return report
 
 

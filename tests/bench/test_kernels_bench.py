@@ -16,3 +16,15 @@ def test_layouts_section_times_both_layouts() -> None:
     for r in res["rows"]:
         assert r["vec_ms"]["min"] > 0 and r["amx_ms"]["min"] > 0
         assert r["amx_vs_vec"] == pytest.approx(r["amx_ms"]["median"] / r["vec_ms"]["median"])
+
+
+def test_stats_section_times_the_torch_collector_against_the_kernel() -> None:
+    """The "collector" row is the torch backend (on CPU, auto would pick the numba kernel: the row would time the
+    kernel against itself), and each row's speedup is the ratio of its two medians."""
+    from vtoken_bench.kernels import run_stats_step
+
+    res = run_stats_step(batch=1, context=40, kv_heads=2, q_heads=4, head_size=16, block_size=8, chunk=4, rounds=2)
+    assert len(res["rows"]) == 4
+    for r in res["rows"]:
+        assert r["collector_backend"] == "torch"
+        assert r["numba_speedup"] == pytest.approx(r["collector_ms"]["median"] / r["numba_ms"]["median"])

@@ -10,24 +10,18 @@ import numpy as np
 import pytest
 import torch
 
-from vtoken_bench.serve import (
-    ServeConfig,
+from vtoken_bench.serve_config import ServeConfig, resolve_dtype
+from vtoken_bench.serve_slo import (
     allowed_misses,
     attainment,
-    default_kv_blocks,
-    fitting_prefix,
-    footprint_blocks,
-    interleaved_order,
     meets_slo,
     miss_counts,
-    paired_ratio,
     poisson_arrivals,
-    resolve_dtype,
     search_goodput,
-    spread,
     tpot_of,
-    trace_lengths,
 )
+from vtoken_bench.serve_summary import interleaved_order, paired_ratio, spread
+from vtoken_bench.serve_traces import default_kv_blocks, fitting_prefix, footprint_blocks, trace_lengths
 
 # ----------------------------------------------------------------------------- attainment
 
@@ -140,7 +134,7 @@ def test_poisson_arrivals_scale_with_the_rate() -> None:
 def test_interleaved_order_balances_positions_and_successors() -> None:
     from collections import Counter
 
-    from vtoken_bench.serve import pair_order
+    from vtoken_bench.serve_summary import pair_order
 
     order = interleaved_order(("a", "b", "c"), 6)
     for rnd in order:
@@ -212,7 +206,7 @@ def test_kv_bytes_follow_the_dtype(tmp_path: Path) -> None:
     config: 30 layers x 3 KV heads x head 64)."""
     import json
 
-    from vtoken_bench.serve import kv_bytes
+    from vtoken_bench.serve_engine import kv_bytes
 
     (tmp_path / "config.json").write_text(json.dumps({
         "model_type": "llama", "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3,
@@ -223,7 +217,7 @@ def test_kv_bytes_follow_the_dtype(tmp_path: Path) -> None:
 
 
 def test_summarize_interleaved_reports_medians_spreads_and_paired_ratios() -> None:
-    from vtoken_bench.serve import summarize_interleaved
+    from vtoken_bench.serve_summary import summarize_interleaved
 
     # round 2 is slowed for everyone (another job on the machine): paired ratios stay tight
     wall = {"vanilla": [10.0, 20.0, 10.0], "none": [10.1, 20.2, 10.1], "h2o": [12.0, 24.0, 12.6]}
@@ -265,7 +259,7 @@ def test_search_stops_at_the_floor_rate() -> None:
 
 
 def test_serving_clock_cpu_skips_idle_gaps_and_ignores_stolen_time() -> None:
-    from vtoken_bench.serve import ServingClock
+    from vtoken_bench.serve_engine import ServingClock
 
     t = {"wall": 100.0, "cpu": 5.0}
     c = ServingClock("cpu", wall=lambda: t["wall"], cpu=lambda: t["cpu"])
@@ -284,7 +278,8 @@ def test_serving_clock_cpu_skips_idle_gaps_and_ignores_stolen_time() -> None:
 
 
 def test_throughput_summary_pairs_rounds() -> None:
-    from vtoken_bench.serve import Probe, RunResult, summarize_throughput
+    from vtoken_bench.serve_engine import Probe, RunResult
+    from vtoken_bench.serve_summary import summarize_throughput
 
     def rr(tok: int, s: float, c: float) -> RunResult:
         return RunResult(seconds=s, cpu_seconds=c, output_tokens=tok, probe=Probe())

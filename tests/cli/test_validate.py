@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from tests.cases import sizes
 from vtoken_cli.main import app
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,21 +48,91 @@ def test_malformed_policy_exits_1_with_location_and_no_traceback(path: Path) -> 
         assert "falsifying example" in res.stderr
 
 
-def test_shipped_policies_validate_and_every_check_is_shown() -> None:
+@sizes(fast=5, full=60)
+def test_shipped_policies_validate_and_every_check_is_shown(examples: int) -> None:
     files = sorted(str(p) for p in (ROOT / "policies").glob("*.py"))
-    res = runner.invoke(app, ["validate", *files, "--examples", "60", "--json"])
+    res = runner.invoke(app, ["validate", *files, "--examples", str(examples), "--json"])
     assert res.exit_code == 0, res.output
     report = json.loads(res.stdout)
-    assert report["ok"]
+    assert report["ok"] and report["failed"] == 0
     by_policy: dict[str, set[str]] = {}
     for r in report["results"]:
         by_policy.setdefault(r["policy"], set()).add(r["check"])
-        assert r["ok"], r
+        assert r["status"] in ("pass", "skip") and "ok" not in r, r
+        assert r["status"] == "pass" or r["check"] == "backend_equal", r  # only the Triton check may not run
+    assert [report[k] for k in ("passed", "failed", "skipped")] == [
+        sum(r["status"] == s for r in report["results"]) for s in ("pass", "fail", "skip")]
     assert set(by_policy) == {"h2o", "scissorhands", "random", "streaming_llm", "snapkv", "tova", "knorm", "observed_attention", "keydiff",
         "expected_attention", "chunkkv", "cur", "diverse_hitters",
         "snap_observed"}
     for checks in by_policy.values():
         assert checks == set(report["checks"])
+
+
+MASK_POLICY = textwrap.dedent("""\
+    import torch
+
+    import vtoken_sdk as vt
+
+
+    @vt.mask_policy(budget=vt.Budget(ratio=0.5), reads=("attn_sum",))
+    def newest(s: vt.TokenStats, ctx: vt.MaskContext):
+        valid = torch.arange(ctx.shape[-1]) < ctx.lengths[:, None, None, None]
+        pos = ctx.positions.expand(ctx.shape).to(torch.float64)
+        key = torch.where(ctx.pins, float("inf"), torch.where(valid, pos, float("-inf")))
+        rank = key.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
+        return (rank < ctx.keep_count[:, None, None, None]) & valid
+    """)
+
+
+def _counts(line: str) -> dict[str, int]:
+    """``{"passed": n, "failed": n, "skipped": n}`` from the closing line ``N passed, N failed, N skipped``."""
+    m = re.fullmatch(r"(\d+) passed, (\d+) failed, (\d+) skipped", line.strip())
+    assert m, line
+    return dict(zip(("passed", "failed", "skipped"), map(int, m.groups()), strict=True))
+
+
+def test_a_check_that_did_not_run_is_skip_not_pass(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """backend_equal cannot run for a mask policy (torch only), nor for a score policy without CUDA or the
+    Triton interpreter: SKIP in the table, counted as skipped, "status": "skip" in --json."""
+    import torch
+
+    from vtoken_sdk.checks import CHECKS
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    mask = tmp_path / "newest.py"
+    mask.write_text(MASK_POLICY)
+    h2o = ROOT / "policies" / "h2o.py"
+    res = runner.invoke(app, ["validate", str(mask), str(h2o), "-n", "5"], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    rows = {(m[0], m[1]): m[2] for m in re.findall(r"(\w+)\s+│\s+(\w+)\s+│\s+(PASS|FAIL|SKIP)\b", res.stdout)}
+    h2o_backend = "PASS" if torch.cuda.is_available() else "SKIP"
+    assert rows[("newest", "backend_equal")] == "SKIP" and rows[("h2o", "backend_equal")] == h2o_backend, res.stdout
+    assert len(rows) == 2 * len(CHECKS) and all(v == "PASS" for k, v in rows.items() if k[1] != "backend_equal")
+    skipped = 1 + (h2o_backend == "SKIP")
+    assert _counts(res.stdout.strip().splitlines()[-1]) == {"passed": 2 * len(CHECKS) - skipped, "failed": 0,
+                                                            "skipped": skipped}
+    res = runner.invoke(app, ["validate", str(mask), "-n", "5", "--json"])
+    report = json.loads(res.stdout)
+    (row,) = [r for r in report["results"] if r["check"] == "backend_equal"]
+    assert row["status"] == "skip" and "torch backend only" in row["detail"] and "ok" not in row
+    assert (report["ok"], report["passed"], report["failed"], report["skipped"]) == (True, len(CHECKS) - 1, 0, 1)
+
+
+def test_installed_cli_counts_skipped_checks_apart(tmp_path: Path) -> None:
+    """The real process: a failing file, a file whose backend check does not run; exit 1, honest counts."""
+    mask = tmp_path / "newest.py"
+    mask.write_text(MASK_POLICY)
+    bad = Path(__file__).parent / "malformed" / "drops_pin.py"
+    res, _ = cli("validate", str(mask), str(bad), "-n", "5")
+    assert res.returncode == 1, res.stderr
+    counts = _counts(res.stdout.strip().splitlines()[-1])
+    assert counts["failed"] >= 1 and counts["skipped"] >= 1, res.stdout
+    assert "SKIP" in res.stdout and "skipped: " not in res.stdout
+    res, _ = cli("validate", str(mask), str(bad), "-n", "5", "--json")
+    report = json.loads(res.stdout)
+    assert {k: report[k] for k in counts} == counts
+    assert report["ok"] is False and {r["status"] for r in report["results"]} == {"pass", "fail", "skip"}
 
 
 def test_json_report_on_failure(tmp_path: Path) -> None:
@@ -114,7 +185,7 @@ def test_file_that_never_finishes_loading_times_out_and_the_others_are_checked()
     report = json.loads(res.stdout)
     assert [r["check"] for r in report["results"] if r["file"] == str(loops)] == ["load"]
     h2o = [r for r in report["results"] if r["policy"] == "h2o"]
-    assert len(h2o) == len(report["checks"]) and all(r["ok"] for r in h2o)
+    assert len(h2o) == len(report["checks"]) and all(r["status"] != "fail" for r in h2o)
 
 
 def test_cli_process_does_not_hang_on_a_loop_in_c_code() -> None:
@@ -153,10 +224,10 @@ def test_hanging_check_times_out_and_the_next_policy_is_checked(tmp_path: Path) 
             "(still executing this line; raise --check-timeout if the checks are only slow)") in res.stderr
     results = json.loads(res.stdout)["results"]
     hangs = [r for r in results if r["policy"] == "hangs"]
-    assert [(r["check"], r["ok"]) for r in hangs] == [("definition", True), ("known_stats", True),
-                                                       ("score_shape", False)]
+    assert [(r["check"], r["status"]) for r in hangs] == [("definition", "pass"), ("known_stats", "pass"),
+                                                           ("score_shape", "fail")]
     fine = [r for r in results if r["policy"] == "fine"]
-    assert fine and all(r["ok"] for r in fine)
+    assert fine and all(r["status"] != "fail" for r in fine)
 
 
 @pytest.mark.parametrize(("code", "where", "message"), [

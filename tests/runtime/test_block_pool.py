@@ -45,14 +45,33 @@ def test_refcount_sharing() -> None:
 def test_corruption_names_the_invariant() -> None:
     pool = BlockPool(4)
     pool.allocate(2)
-    pool._free.append(pool._free[0])  # a block twice on the free queue
-    with pytest.raises(RuntimeError, match="POOL violated"):
+    pool._ref[3] = 1  # a free block with a reference
+    with pytest.raises(RuntimeError, match="POOL violated: free queue and refcounts disagree"):
         pool.check()
     pool = BlockPool(4)
     held = pool.allocate(2)
     assert held is not None
     with pytest.raises(RuntimeError, match="POOL violated: owners and refcounts disagree"):
         pool.check(held=held[:1])  # a leaked block (referenced, owned by nobody)
+
+
+def test_take_named_blocks_keeps_queue_order_and_refuses_held_ones() -> None:
+    """``take`` (another allocator chose the blocks): exactly those blocks, the rest of the queue keeps its
+    order; a held block or one named twice is an InvariantError (POOL) and nothing is taken."""
+    from vtoken_runtime._debug import InvariantError
+
+    pool = BlockPool(8, debug=True)
+    pool.take([5, 2])
+    assert pool.refcount(5) == pool.refcount(2) == 1 and pool.num_free == 6
+    assert pool.allocate(3) == [0, 1, 3]
+    for bad in ([4, 5], [6, 6]):
+        with pytest.raises(InvariantError, match="POOL violated"):
+            pool.take(bad)
+        assert pool.num_free == 3 and pool.refcount(4) == 0 and pool.refcount(6) == 0
+    with pytest.raises(ValueError, match="out of range"):
+        pool.take([8])
+    pool.free([5, 2])  # tail first: 2 then 5 re-enter after 4 6 7
+    assert pool.allocate(5) == [4, 6, 7, 2, 5]
 
 
 @settings(max_examples=200, deadline=None)

@@ -139,6 +139,33 @@ def test_broken_invariants_raise_runtime_error_naming_them() -> None:
     c.check_invariants()
 
 
+def test_set_pins_after_add_guards_present_and_future_positions() -> None:
+    """``set_pins`` replaces a request's pins: a mask dropping one (present now, or reached later) is refused
+    and changes nothing; an already evicted position cannot be pinned."""
+    c = make(granularity="head")
+    c.add_request("a")
+    fill(c, "a", 8)
+    c.set_pins("a", [6, 2, 9])  # 9: not reached yet
+    assert c.pinned_positions("a").tolist() == [2, 6, 9]
+    drop = np.ones((c.num_rows, 8), bool)
+    drop[:, [4, 5]] = False
+    drop[1, [2, 3, 4, 5]] = [False, False, True, True]  # row 1 drops pin 2
+    with pytest.raises(ValueError, match="pinned"):
+        c.apply_keep_mask("a", drop)
+    assert c.live_tokens("a") == 8
+    fill(c, "a", 2)  # positions 8, 9
+    keep = np.ones((c.num_rows, 10), bool)
+    keep[:, 9] = False
+    with pytest.raises(ValueError, match="pinned"):
+        c.apply_keep_mask("a", keep)
+    keep = np.ones((c.num_rows, 10), bool)
+    keep[:, 0] = False
+    assert c.apply_keep_mask("a", keep) == c.num_rows
+    with pytest.raises(ValueError, match="evicted positions \\[0\\]"):
+        c.set_pins("a", [0, 2])
+    assert c.pinned_positions("a").tolist() == [2, 6, 9]
+
+
 def test_pins_invariant_named() -> None:
     c = make()
     c.add_request("a", pinned_positions=[3])

@@ -11,6 +11,7 @@ import vtoken_sdk as vt
 from tests.cases import CASES, build, case_id
 from tests.oracles.dense import dense_greedy
 from vtoken_bench.models import tiny_llama, tiny_qwen2
+from vtoken_runtime._debug import InvariantError
 from vtoken_runtime.hf_adapter import HFSession
 from vtoken_sdk.selection import select
 
@@ -91,7 +92,7 @@ def test_block_accounting_exact_after_every_step(granularity: str) -> None:
     model = tiny_llama()
     pol = vtoken_policies.load("h2o").configure(granularity=granularity, protect=[vt.sinks(2), vt.recent(4)])
     s = HFSession(model, block_size=16, num_blocks=128, granularity=granularity, stat_names=pol.stored_reads,
-                  shadow_block_sizes=(32, 48), chunk_size=40)
+                  follower_block_sizes=(32, 48), chunk_size=40)
     s.add("a", pol)
     s.add("b", None)
     prompts = [_prompt(100, 2), _prompt(60, 3)]
@@ -133,19 +134,40 @@ def test_failing_policy_only_affects_its_own_request(caplog) -> None:
     assert outs[0] == ref.generate(["x"], [ids], 6)[0]  # the failing request is served as if no policy ran
 
 
+@pytest.mark.parametrize("fault", [InvariantError("I2", "injected"), torch.OutOfMemoryError("injected: out of memory"),
+                                   RuntimeError("CUDA error: device-side assert triggered (injected)")],
+                         ids=["invariant", "oom", "device"])
+def test_runtime_faults_inside_the_step_propagate(fault: Exception) -> None:
+    """A broken invariant, an out-of-memory or a device error raised while the step selects is not the
+    policy's bug: it propagates (the batched call and the per-request retry alike) instead of becoming a
+    silent per-request fallback over a state nobody can trust."""
+
+    @vt.mask_policy(budget=vt.Budget(ratio=0.5), reads=("attn_sum",))
+    def faulty(s: vt.TokenStats, ctx: vt.MaskContext):
+        raise fault
+
+    model = tiny_llama()
+    s = HFSession(model, block_size=16, num_blocks=64, stat_names=("attn_sum",), chunk_size=32)
+    s.add("a", faulty)
+    s.add("b", _small(vtoken_policies.load("h2o")))
+    with pytest.raises(type(fault), match="injected"):
+        s.prefill(["a", "b"], [_prompt(48), _prompt(40, 2)])
+    assert not s.requests["a"].failures and s.driver.counters["policy_failures"] == 0
+
+
 # ------------------------------------------------------------------ one policy object shared by many requests
 RAISE_AT, BREAK_AT = 20, 24  # per-request budget overrides that single out one request each (keep_count)
 
 
-def _shared_policy(raise_at: int | None, break_at: int | None) -> vt.Policy:
-    """ONE mask policy for every request: pins, then the most recent tokens. It raises when a request of
-    its batch must keep ``raise_at`` tokens, and drops the pins of a request that must keep ``break_at``."""
+def _shared_policy(raise_at: int | None, break_at: int | None, error: type[Exception] = RuntimeError) -> vt.Policy:
+    """ONE mask policy for every request: pins, then the most recent tokens. It raises ``error`` when a request
+    of its batch must keep ``raise_at`` tokens, and drops the pins of a request that must keep ``break_at``."""
 
     @vt.mask_policy(budget=vt.Budget(ratio=0.5), protect=[vt.sinks(2)], granularity="head")
     def recent(s: vt.TokenStats, ctx: vt.MaskContext):
         b, l_, h, n = ctx.shape
         if raise_at is not None and bool((ctx.keep_count == raise_at).any()):
-            raise RuntimeError(f"policy bug: a request keeping {raise_at} tokens")
+            raise error(f"policy bug: a request keeping {raise_at} tokens")
         score = ctx.positions.expand(b, l_, h, n).reshape(b, l_ * h, n).to(torch.float32)
         keep = select(score, ctx.lengths, ctx.pins.reshape(b, l_ * h, n), ctx.keep_count).reshape(b, l_, h, n)
         if break_at is not None:
@@ -210,6 +232,23 @@ def test_one_shared_policy_failing_for_one_request_leaves_the_others_evicting(fa
         if role == "good":  # ratio 0.5 evicts at every other step, a fixed budget at every step
             assert len(log) >= steps // 2, f"{r} evicted at only {len(log)} steps"
         assert o == dense_greedy(model, p, steps, log), f"{r}: greedy tokens differ from dense over its kept sets"
+
+
+@pytest.mark.parametrize("error", [ValueError, ZeroDivisionError])
+def test_policy_errors_fall_back_for_their_request_only(error: type[Exception]) -> None:
+    """What user code raises (here while scoring one request of a shared batch) fails that request only: the
+    batched call is retried per request and the others evict as their budgets say."""
+    model = tiny_llama()
+    s = HFSession(model, block_size=16, num_blocks=64, chunk_size=32)
+    policy = _shared_policy(RAISE_AT, None, error)
+    for r, budget in (("a", 28), ("raiser", RAISE_AT), ("b", None)):
+        s.add(r, policy, budget=budget)
+    s.prefill(["a", "raiser", "b"], [_prompt(64, 1), _prompt(60, 2), _prompt(62, 3)])
+    fails = s.requests["raiser"].failures
+    assert fails and f"{error.__name__}: policy bug" in fails[0], fails
+    assert s.cache.live_tokens("raiser") == 60
+    assert (s.cache.live_tokens("a"), s.cache.live_tokens("b")) == (28, 31)
+    assert not s.requests["a"].failures and not s.requests["b"].failures
 
 
 def test_request_pins_are_honoured() -> None:

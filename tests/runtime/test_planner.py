@@ -12,13 +12,13 @@ from vtoken_runtime.planner import plan_compact, plan_naive, plan_ordered
 @st.composite
 def liveness(draw: st.DrawFn) -> tuple[np.ndarray, int]:
     rows = draw(st.integers(1, 4))
-    used = draw(st.integers(0, 40))
-    n = draw(st.integers(0, used))
+    cache_len = draw(st.integers(0, 40))
+    n = draw(st.integers(0, cache_len))
     seed = draw(st.integers(0, 2**31))
     rng = np.random.default_rng(seed)
-    live = np.zeros((rows, used), bool)
+    live = np.zeros((rows, cache_len), bool)
     for r in range(rows):  # test-side construction; equal live count per row
-        live[r, rng.choice(used, n, replace=False)] = True
+        live[r, rng.choice(cache_len, n, replace=False)] = True
     return live, n
 
 
@@ -56,10 +56,10 @@ def test_ordered_preserves_order_even_sequentially(case: tuple[np.ndarray, int])
 @given(liveness(), st.integers(1, 8))
 def test_naive_keeps_blocks_with_a_live_token(case: tuple[np.ndarray, int], bs: int) -> None:
     live, _ = case
-    used = live.shape[1]
-    nb = -(-used // bs)
+    cache_len = live.shape[1]
+    nb = -(-cache_len // bs)
     padded = np.zeros((live.shape[0], nb * bs), bool)
-    padded[:, :used] = live
-    keep = plan_naive(padded, used, bs)
+    padded[:, :cache_len] = live
+    keep = plan_naive(padded, cache_len, bs)
     for b in range(nb):
         assert keep[b] == padded[:, b * bs:(b + 1) * bs].any()

@@ -187,9 +187,8 @@ class CacheMachine(RuleBasedStateMachine):
             c.write_kv(layer, rid, k[:cut], v[:cut])
             if cut < n:
                 c.write_kv(layer, rid, k[cut:], v[cut:], offset=cut)
-            acc = c.stats_tensor("acc")
-            acc[layer][:, torch.as_tensor(slots)] = stat_values(m.uid, layer, H, pos)
-        self.plan_pending = False  # write_kv / stats_tensor fence
+            c.scatter_stats("acc", layer, torch.as_tensor(slots), stat_values(m.uid, layer, H, pos))
+        self.plan_pending = False  # write_kv / scatter_stats fence
 
     @precondition(lambda self: any(m.live.shape[1] and m.live[0].any() for m in self.model.values()))
     @rule(data=st.data(), seed=st.integers(0, 2**32 - 1), try_bad=st.booleans(), then_reclaim=st.booleans(),
@@ -382,9 +381,9 @@ class CacheMachine(RuleBasedStateMachine):
         bt = md.block_tables.numpy().astype(np.int64)
         for b, rid in enumerate(ids):
             pos, vs = c.live_view(rid)
-            used = c.cache_len(rid)
+            cache_len = c.cache_len(rid)
             for r in range(self.R):
-                dead = np.setdiff1d(np.arange(used), vs[r])
+                dead = np.setdiff1d(np.arange(cache_len), vs[r])
                 for layer in ([r // H] if self.R > 1 else range(L)):
                     kp = c.key_positions(layer)[r % H if self.R > 1 else 0].numpy()
                     assert (kp[bt[b, vs[r] // BS] * BS + vs[r] % BS] == pos[r]).all(), f"positions {rid} row {r}"

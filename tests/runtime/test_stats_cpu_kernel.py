@@ -1,7 +1,9 @@
 """The numba CPU statistics kernel (``vtoken_runtime.stats.cpu_kernel.update_attn_stats_cpu``) equals the
-runtime's torch stats collector on a real VTokenCache over several steps (chunked prefill, decode with
+runtime's torch statistics backend (``StatsCollector(backend="torch")``, no code shared with the
+kernel) on a real VTokenCache over several steps (chunked prefill, decode with
 padding rows, eviction + reclaim or naive holes), per statistic, at request and head granularity, MHA and
-GQA, fp32 and bf16 caches, both KV layouts; and the torch kernel reference on random shapes (hypothesis).
+GQA, fp32 and bf16 caches, both KV layouts; and the kernel oracle ``kernels.attn_stats_ref`` on random shapes
+(hypothesis).
 
 Tolerance (docs/kernels.md, as for the Triton kernel): atol 2e-6 + rtol 1e-5; ``low_attn_count`` may
 differ only by the weight of (query, key) pairs whose attention lies within 1e-5 (relative) of the
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,6 +28,7 @@ from vtoken_runtime.stats import StatsCollector
 from vtoken_runtime.stats import cpu_kernel as ck
 from vtoken_runtime.stats.collector import gather_query_rows
 from vtoken_runtime.stats.cpu_kernel import STAT_NAMES, update_attn_stats_cpu
+from vtoken_runtime.stats.cpu_numerics import DOT_ROWS
 from vtoken_sdk import StatsConfig
 
 pytest.importorskip("numba")
@@ -44,7 +48,10 @@ def _collector_run(granularity: str, dtype: torch.dtype, G: int, layout: str, mo
     L = 2
     cache = VTokenCache(L, H, D, bs, num_blocks=40, granularity=granularity, mode=mode, kv_layout=layout,
                         dtype=dtype, stat_names=STAT_NAMES, async_copy=False)
-    col = StatsCollector(cache, STAT_NAMES, StatsConfig(obs_window=OBS, history_window=HIST), G)
+    # the torch backend: probabilities over the paged cache (paged_attention) folded by the update rules, no code
+    # shared with the kernel (auto would pick the numba kernel itself and compare it with itself)
+    col = StatsCollector(cache, STAT_NAMES, StatsConfig(obs_window=OBS, history_window=HIST), G, backend="torch")
+    assert col.backend == "torch"
     mirrors = [{n: cache.stats_tensor(n)[LAYER].clone() for n in sub} for sub in SUBSETS]
     reqs = ["a", "b", "c"]
     prompt = torch.tensor([9, 6, 4])  # a's window (positions 6..8) spans its two prefill chunks
@@ -151,7 +158,7 @@ def test_collector_falls_back_to_torch_when_the_kernel_cannot_load(monkeypatch: 
                                                                     caplog: pytest.LogCaptureFixture) -> None:
     """A numba kernel failing before it writes anything (numba's on-disk cache written for the same file under
     another module name, as seen on this machine) does not fail the forward pass: the collector warns once and
-    the torch reference collects from then on, the same statistics as a torch collector (within the tolerance);
+    the torch backend collects from then on, the same statistics as a torch collector (within the tolerance);
     a ValueError (misuse) still propagates."""
     def broken(*a: object, **kw: object) -> None:
         raise ModuleNotFoundError("No module named 'runtime'")
@@ -176,7 +183,7 @@ def test_collector_falls_back_to_torch_when_the_kernel_cannot_load(monkeypatch: 
                 md = c.attention_metadata(["a"])
                 for li in range(2):
                     col.attention(li, q[None], md, qpos, plen)
-    assert cols[0].backend == "torch" and sum("torch reference" in r.getMessage() for r in caplog.records) == 1
+    assert cols[0].backend == "torch" and sum("torch backend" in r.getMessage() for r in caplog.records) == 1
     for name in STAT_NAMES:
         torch.testing.assert_close(caches[0].stats_tensor(name), caches[1].stats_tensor(name), atol=ATOL, rtol=RTOL)
     assert float(caches[0].stats_tensor("attn_sum").sum()) > 0
@@ -328,7 +335,7 @@ def test_dim_major_in_place_scores_give_the_same_bits(monkeypatch: pytest.Monkey
     bits of the gathered tiles: of the unit-stride layout and of the same memory without the score cache (tile
     copies; bs 12: always). Decode and short steps, SmolLM2's heads (3 KV heads, GQA 3, D 64), four requests;
     groups of 1, 2 and 5 query heads (a dot-product call takes up to ``DOT_ROWS`` = 4 rows: 5 = 4 + 1)."""
-    assert ck.DOT_ROWS == 4
+    assert DOT_ROWS == 4
     for Q, block_n, G in ((1, None, 3), (3, None, 3), (1, 24, 3), (2, 5, 3), (2, None, 5), (1, None, 1),
                           (3, 24, 2)):
         query, key_cache, bt, lens, qpos, kpos, S = _case(13 + Q, 4, Q, G, 3, 64, bs, True, dtype, False)
@@ -605,3 +612,41 @@ print("crashed without the fix:", crashed)
 """
     out = subprocess.run([sys.executable, "-c", code], check=True, timeout=300, capture_output=True, text=True)
     assert "crashed without the fix:" in out.stdout or "no vllm" in out.stdout
+
+
+def test_kernel_cache_is_dropped_when_any_of_its_files_changes(tmp_path: Path) -> None:
+    """numba checks a cached function against its own file only, and the kernel's compiled driver holds the code
+    of its callees in other files (passes, gathers, numerics): ``drop_stale_cache`` removes the cache files of all
+    of them when any one changed (an edited pass must not run its old code), keeps them otherwise, and leaves
+    other modules' files and Python's own ``.pyc`` alone."""
+    from vtoken_runtime._numba_compat import drop_stale_cache
+    from vtoken_runtime.stats import cpu_driver
+
+    src = tmp_path / "src"
+    cache = tmp_path / "__pycache__"
+    src.mkdir()
+    cache.mkdir()
+    files = [src / "cpu_passes.py", src / "cpu_driver.py"]
+    for f in files:
+        f.write_text(f"# {f.name}\n")
+    cached = ["cpu_passes._py_pass1-10.py312.nbi", "cpu_passes._py_pass1-10.py312.0.nbc",
+              "cpu_driver._py_kernel-5.py312.nbi", "cpu_driver._py_kernel-5.py312.1.nbc"]
+    other = ["cpu_passes.cpython-312.pyc", "copy_kernels._run-3.py312.nbi"]
+
+    def fill() -> None:
+        for name in (*cached, *other):
+            (cache / name).write_bytes(b"x")
+
+    fill()
+    assert drop_stale_cache(cache, files, "k")  # no record yet: whatever is there may be stale
+    assert sorted(p.name for p in cache.iterdir()) == sorted([*other, "k.sources"])
+    fill()
+    assert not drop_stale_cache(cache, files, "k")  # same sources: the cache is kept
+    assert all((cache / n).exists() for n in cached)
+    files[0].write_text("# cpu_passes.py, a pass edited\n")  # a callee's file changed, not the caller's
+    assert drop_stale_cache(cache, files, "k")
+    assert not any((cache / n).exists() for n in cached) and all((cache / n).exists() for n in other)
+    assert not drop_stale_cache(None, files, "k")  # not cached: nothing to do
+    # the loader covers every module numba compiles into the kernel, and the driver itself
+    assert {m.__name__.rsplit(".", 1)[1] for m in cpu_driver.KERNEL_MODULES} == {"cpu_numerics", "cpu_gather",
+                                                                                "cpu_passes"}

@@ -9,30 +9,30 @@ from hypothesis import strategies as st
 from vtoken_runtime.token_table import RequestState, TokenTable
 
 
-def _state(rows: int, used: int, logical: int, live: int, extra: int, seed: int) -> RequestState:
+def _state(rows: int, cache_len: int, logical: int, live: int, extra: int, seed: int) -> RequestState:
     """A request whose ``rows`` rows each hold ``live`` live tokens at distinct true positions below
-    ``logical``, scattered over the first ``used`` virtual slots (holes between them), capacity
-    ``used + extra``."""
+    ``logical``, scattered over the first ``cache_len`` virtual slots (holes between them), capacity
+    ``cache_len + extra``."""
     rng = np.random.default_rng(seed)
     s = RequestState(req_id="r", row=0, num_rows=rows, block_size=4, pinned=np.zeros(0, np.int64))
-    s.grow(used + extra)
+    s.grow(cache_len + extra)
     for r in range(rows):
-        slots = rng.permutation(used)[:live]
+        slots = rng.permutation(cache_len)[:live]
         s.pos[r, slots] = np.sort(rng.choice(logical, live, replace=False))[rng.permutation(live)]
         s.live[r, slots] = True
-        dead = np.setdiff1d(np.arange(used), slots)
+        dead = np.setdiff1d(np.arange(cache_len), slots)
         s.pos[r, dead] = rng.integers(0, logical, dead.size)  # dead slots keep stale positions
-    s.used, s.logical_len, s.num_live = used, logical, live
+    s.cache_len, s.logical_len, s.num_live = cache_len, logical, live
     return s
 
 
 @settings(max_examples=200, deadline=None)
-@given(rows=st.integers(1, 12), used=st.integers(0, 60), wide=st.integers(1, 6), frac=st.floats(0.0, 1.0),
+@given(rows=st.integers(1, 12), cache_len=st.integers(0, 60), wide=st.integers(1, 6), frac=st.floats(0.0, 1.0),
        extra=st.integers(0, 9), seed=st.integers(0, 2**31 - 1))
-def test_live_view_equals_sorted_view(rows: int, used: int, wide: int, frac: float, extra: int, seed: int) -> None:
-    logical = max(used, 1) * wide  # wide > 4: the sort path; else the scatter path
-    live = int(frac * used)
-    s = _state(rows, used, logical, live, extra, seed)
+def test_live_view_equals_sorted_view(rows: int, cache_len: int, wide: int, frac: float, extra: int, seed: int) -> None:
+    logical = max(cache_len, 1) * wide  # wide > 4: the sort path; else the scatter path
+    live = int(frac * cache_len)
+    s = _state(rows, cache_len, logical, live, extra, seed)
     pos, vs = TokenTable.live_view(s)
     ref_pos, ref_vs = TokenTable.live_view_sorted(s)
     assert pos.shape == vs.shape == (rows, live)

@@ -24,7 +24,7 @@ import vtoken_sdk as vt
 from tests.oracles.dense import _restrict
 from vtoken_bench.models import tiny_llama, tiny_qwen2
 from vtoken_runtime.hf_adapter import HFSession
-from vtoken_runtime.stats.queries import QueryWindows
+from vtoken_runtime.stats.query_vectors import QueryWindows
 from vtoken_runtime.stats.rope import UnsupportedRope, rotary_tables
 from vtoken_sdk.selection import select
 

@@ -19,10 +19,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import vtoken_sdk as vt
+from tests.cases import sizes
 from vtoken_sdk.batch import StatsBatch
 from vtoken_sdk.budget import parse_slack
 from vtoken_sdk.checks import ContractViolation, prop_budget
-from vtoken_sdk.reference import ReferencePolicy
+from vtoken_sdk.torch_backend import TorchPolicy
 
 LENGTHS = st.integers(0, 1 << 20)
 MIN_TOKENS = st.one_of(st.just(0), st.integers(0, 64))
@@ -112,7 +113,7 @@ def test_hand_picked_values() -> None:
 # ---------------------------------------------------------------------- the contract check's expectation
 
 
-class _FloorBudgets(ReferencePolicy):
+class _FloorBudgets(TorchPolicy):
     """A backend whose budget rounds down (the planted bug): its masks agree with its own budgets()."""
 
     def budgets(self, batch: StatsBatch) -> torch.Tensor:
@@ -132,7 +133,7 @@ def test_exact_budget_check_does_not_trust_the_backend_budget(ratio: float) -> N
     lengths, seq = torch.tensor([n, n]), torch.tensor([15, 22])  # 0.5 x 15 = 7.5 -> 8; 0.25 x 22 = 5.5 -> 6
     batch = StatsBatch(stats={"attn_sum": torch.randn(2, 1, 2, n, generator=torch.Generator().manual_seed(0))},
                        lengths=lengths, positions=StatsBatch.contiguous_positions(lengths, n, seq), seq_lens=seq)
-    prop_budget(ReferencePolicy(p), batch)  # the real backend passes
+    prop_budget(TorchPolicy(p), batch)  # the real backend passes
     with pytest.raises(ContractViolation, match="expected"):
         prop_budget(_FloorBudgets(p), batch)
 
@@ -195,13 +196,18 @@ def _held_blocks(b: vt.Budget, prompt: int, chunk: int, decode: int, bs: int) ->
     return _simulate(b, [min(chunk, prompt - i) for i in range(0, prompt, chunk)], decode, bs)
 
 
-@settings(max_examples=300, deadline=None)
-@given(size=st.one_of(dyadic_ratios(), st.integers(1, 300)), min_tokens=MIN_TOKENS, when=st.sampled_from(["both", "chunks"]),
-       prompt=st.integers(1, 600), chunk=st.integers(1, 256), decode=st.integers(0, 400), bs=st.sampled_from([1, 4, 16, 32]))
-def test_block_slack_holds_the_blocks_of_slack_zero(size: tuple[int, int] | int, min_tokens: int, when: str, prompt: int,
-                                                    chunk: int, decode: int, bs: int) -> None:
+@sizes(fast=60, full=300)
+def test_block_slack_holds_the_blocks_of_slack_zero(examples: int) -> None:
     """``slack="block"`` needs and holds exactly the blocks of ``slack=0`` at every reservation and after
     every step (one-token decode steps), and never evicts more often."""
+    settings(max_examples=examples, deadline=None)(given(
+        size=st.one_of(dyadic_ratios(), st.integers(1, 300)), min_tokens=MIN_TOKENS,
+        when=st.sampled_from(["both", "chunks"]), prompt=st.integers(1, 600), chunk=st.integers(1, 256),
+        decode=st.integers(0, 400), bs=st.sampled_from([1, 4, 16, 32]))(_block_slack_holds_slack_zeros_blocks))()
+
+
+def _block_slack_holds_slack_zeros_blocks(size: tuple[int, int] | int, min_tokens: int, when: str, prompt: int,
+                                          chunk: int, decode: int, bs: int) -> None:
     kw = {"tokens": size} if isinstance(size, int) else {"ratio": size[0] / 2**size[1]}
     exact = vt.Budget(**kw, min_tokens=min_tokens, when=when)  # type: ignore[arg-type]
     lazy = exact.override(slack="block")
@@ -230,14 +236,18 @@ def _prefill_peak(b: vt.Budget, chunks: list[int]) -> int:
     return max(_simulate(b, chunks, 0, 1)[0][::2], default=0)
 
 
-@settings(max_examples=300, deadline=None)
-@given(size=st.one_of(dyadic_ratios(), st.integers(1, 300)), min_tokens=MIN_TOKENS,
-       when=st.sampled_from(["both", "prefill", "chunks"]), slack=st.one_of(st.integers(0, 40), st.just("block")),
-       n=st.integers(0, 700), chunk=st.integers(1, 256), data=st.data())
-def test_chunked_prefill_peak_bounds_every_chunking(size: tuple[int, int] | int, min_tokens: int, when: str,
-                                                    slack: int | str, n: int, chunk: int, data: st.DataObject) -> None:
+@sizes(fast=60, full=300)
+def test_chunked_prefill_peak_bounds_every_chunking(examples: int) -> None:
     """No chunking of the prompt into chunks of at most ``chunk`` tokens holds more than the peak, and the
     chunking whose last chunk is full reaches it (slack 0 or "block": chunks are trimmed down to the budget)."""
+    settings(max_examples=examples, deadline=None)(given(
+        size=st.one_of(dyadic_ratios(), st.integers(1, 300)), min_tokens=MIN_TOKENS,
+        when=st.sampled_from(["both", "prefill", "chunks"]), slack=st.one_of(st.integers(0, 40), st.just("block")),
+        n=st.integers(0, 700), chunk=st.integers(1, 256), data=st.data())(_peak_bounds_every_chunking))()
+
+
+def _peak_bounds_every_chunking(size: tuple[int, int] | int, min_tokens: int, when: str, slack: int | str, n: int,
+                                chunk: int, data: st.DataObject) -> None:
     kw = {"tokens": size} if isinstance(size, int) else {"ratio": size[0] / 2**size[1]}
     b = vt.Budget(**kw, min_tokens=min_tokens, when=when, slack=slack)  # type: ignore[arg-type]
     peak = b.chunked_prefill_peak(n, chunk)

@@ -6,16 +6,17 @@ from __future__ import annotations
 
 import pytest
 
-from tests.cases import CASES, build, case_id
+from tests.cases import CASES, build, case_id, sizes
 from vtoken_sdk.checks import CHECKS
 from vtoken_sdk.testing import check_policy
 
 VECTOR_CASES = [c for c in CASES if build(c).vector_reads]
 
 
+@sizes(fast=8, full=60)
 @pytest.mark.parametrize("case", VECTOR_CASES, ids=case_id)
-def test_vector_policies_hold_the_contract(case) -> None:
-    report = check_policy(build(case), examples=60)
+def test_vector_policies_hold_the_contract(case, examples: int) -> None:
+    report = check_policy(build(case), examples=examples)
     assert report.ok, report.summary()
     assert {r.name for r in report.results} == set(CHECKS)
 

@@ -1,4 +1,4 @@
-"""Vector statistics and the reductions of the DSL: shapes, errors, and the torch reference's semantics
+"""Vector statistics and the reductions of the DSL: shapes, errors, and the torch backend's semantics
 against naive per-row numpy computations (bit for bit where the order is specified)."""
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import vtoken_sdk as vt
 from vtoken_sdk import ir
 from vtoken_sdk.batch import StatsBatch
 from vtoken_sdk.errors import PolicyDefinitionError
-from vtoken_sdk.reference import ReferencePolicy, exp_det, lane_reduce, sqrt_rn
 from vtoken_sdk.stats import CATALOG, VECTOR_STATS
 from vtoken_sdk.testing import BatchSpec, batch_specs, build_batch
+from vtoken_sdk.torch_backend import TorchPolicy, exp_det, lane_reduce, sqrt_rn
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 SETTINGS = settings(max_examples=30, deadline=None, derandomize=True,
@@ -29,7 +29,7 @@ F32 = np.float32
 
 def _scores(fn, batch: StatsBatch, granularity: str = "head") -> np.ndarray:  # type: ignore[no-untyped-def]
     pol = vt.policy(budget=vt.Budget(ratio=0.5), granularity=granularity, name="t")(fn)
-    return ReferencePolicy(pol).scores(batch).numpy()
+    return TorchPolicy(pol).scores(batch).numpy()
 
 
 def _same(a: np.ndarray, b: np.ndarray) -> bool:
@@ -253,7 +253,7 @@ def test_a_vector_predicate_is_refused() -> None:
         vt.policy(budget=vt.Budget(ratio=0.5), protect=[vt.protect_if(lambda s: s.key > 0.0)])(lambda s: s.attn_sum)
 
 
-# --------------------------------------------------------------------------- reference semantics
+# --------------------------------------------------------------------------- torch backend semantics
 
 
 @SETTINGS
@@ -388,11 +388,22 @@ def test_token_reduction_lanes_over_several_tiles() -> None:
 @given(specs)
 def test_layer_head_and_head_dim(spec: BatchSpec) -> None:
     batch = build_batch(spec)
-    batch = StatsBatch(**{**{f: getattr(batch, f) for f in batch.__dataclass_fields__}, "layer_offset": 5})
-    got = _scores(lambda s: s.layer * 100.0 + s.head + s.head_dim / 1000.0, batch)
+    batch = StatsBatch(**{**{f: getattr(batch, f) for f in batch.__dataclass_fields__}, "layer_offset": 5,
+                          "num_layers": None if spec.num_layers is None else spec.num_layers + 5})
+    got = _scores(lambda s: s.layer * 100.0 + s.head + s.head_dim / 1000.0 + s.num_layers * 10000.0, batch)
     b, l_, h, n = batch.shape
+    model_layers = 5 + (l_ if spec.num_layers is None else spec.num_layers)  # None: the batch ends the model
     want = (np.arange(l_)[:, None] + 5) * 100.0 + np.arange(h)[None, :] + spec.head_dim / 1000.0
+    want = want.astype(F32) + F32(model_layers * 10000.0)
     np.testing.assert_array_equal(got, np.broadcast_to(want.astype(F32)[None, :, :, None], (b, l_, h, n)))
+
+
+def test_num_layers_smaller_than_the_batch_is_refused() -> None:
+    spec = BatchSpec(1, 3, 1, 4, (4,), (0,), "ties", 0, False, (), None)
+    batch = StatsBatch(**{**{f: getattr(build_batch(spec), f) for f in StatsBatch.__dataclass_fields__},
+                          "layer_offset": 2, "num_layers": 4})
+    with pytest.raises(ValueError, match="StatsBatch.num_layers=4, but the batch holds layers 2..4"):
+        _scores(lambda s: s.attn_sum * s.num_layers, batch)
 
 
 def test_exp_is_deterministic_and_within_one_ulp() -> None:
@@ -423,7 +434,7 @@ def test_keydiff_is_kvpress_keydiff(spec: BatchSpec) -> None:
     from tests.sdk.dsl_policies import keydiff
 
     batch = build_batch(spec)
-    got = ReferencePolicy(keydiff).scores(batch)
+    got = TorchPolicy(keydiff).scores(batch)
     k = batch.vectors["key"].double()
     for i in range(spec.b):
         n = int(batch.lengths[i])
@@ -442,7 +453,7 @@ def test_expected_attention_is_kvpress_formula(spec: BatchSpec) -> None:
     from tests.sdk.dsl_policies import expected_attention
 
     batch = build_batch(spec)
-    got = ReferencePolicy(expected_attention).scores(batch)
+    got = TorchPolicy(expected_attention).scores(batch)
     k, v = batch.vectors["key"].double(), batch.vectors["value"].double()
     mu, cov = batch.vectors["query_mean_future"].double(), batch.vectors["query_cov_future"].double()
     d = spec.head_dim
@@ -467,7 +478,7 @@ def test_observed_attention_is_kvpress_normalisation() -> None:
     lengths = torch.tensor([n])
     batch = StatsBatch(stats={"attn_sum": attn}, lengths=lengths, seq_lens=lengths,
                        positions=StatsBatch.contiguous_positions(lengths, n))
-    got = ReferencePolicy(observed_attention).scores(batch)
+    got = TorchPolicy(observed_attention).scores(batch)
     assert torch.equal(got, attn / torch.arange(n, 0, -1).float())
 
 

@@ -88,10 +88,14 @@ def test_no_import_cycles() -> None:
     assert cyc is None, " -> ".join(cyc or [])
 
 
-@pytest.mark.parametrize("planted", [("vtoken_sdk.backend", "vtoken_sdk.policy")])
+@pytest.mark.parametrize("planted", [("vtoken_sdk.backend", "vtoken_sdk.policy"),
+                                     ("vtoken_sdk.torch_backend", "vtoken_sdk.backend"),
+                                     ("vtoken_sdk.torch_backend", "vtoken_sdk.triton_backend")])
 def test_a_planted_cycle_is_found(planted: tuple[str, str]) -> None:
+    """An edge back along a real one (policy -> backend in Policy.compile, backend -> torch_backend /
+    triton_backend in compile_policy, triton_backend -> torch_backend) closes a cycle the test reports."""
     g = _graph()
     a, b = planted
-    assert a in g[b]  # policy -> backend (Policy.compile)
+    assert a in g[b]
     g[a] = g[a] | {b}
     assert _cycle(g) is not None

@@ -1,4 +1,4 @@
-"""The selection contract (ARCHITECTURE decision 2) against a brute-force oracle."""
+"""The selection contract (docs/decisions.md decision 2) against a brute-force oracle."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.cases import sizes
 from vtoken_sdk.selection import _keep_top_k_sorted, _keep_top_k_threshold, keep_counts, ordered_key, select
 
 
@@ -35,9 +36,12 @@ floats = st.one_of(st.sampled_from([0.0, -0.0, 1.0, 0.5, math.nan, math.inf, -ma
                    st.floats(width=32, allow_nan=True))
 
 
-@settings(max_examples=500, deadline=None)
-@given(st.data())
-def test_select_matches_oracle(data: st.DataObject) -> None:
+@sizes(fast=60, full=500)
+def test_select_matches_oracle(examples: int) -> None:
+    settings(max_examples=examples, deadline=None)(given(st.data())(_select_matches_oracle))()
+
+
+def _select_matches_oracle(data: st.DataObject) -> None:
     b = data.draw(st.integers(1, 3))
     r = data.draw(st.integers(1, 3))
     n = data.draw(st.integers(1, 24))
@@ -56,11 +60,14 @@ def test_select_matches_oracle(data: st.DataObject) -> None:
             assert got[i, j].tolist() == oracle(f32, lengths[i], pins[i][j], k)
 
 
-@settings(max_examples=300, deadline=None)
-@given(st.data())
-def test_threshold_and_sort_paths_keep_the_same_tokens(data: st.DataObject) -> None:
+@sizes(fast=40, full=300)
+def test_threshold_and_sort_paths_keep_the_same_tokens(examples: int) -> None:
     """select() ranks by kthvalue on CPU and by a full sort elsewhere: equal masks on unique keys (ties,
     NaN, padding and pins included, through the composite key)."""
+    settings(max_examples=examples, deadline=None)(given(st.data())(_threshold_and_sort_paths_agree))()
+
+
+def _threshold_and_sort_paths_agree(data: st.DataObject) -> None:
     b, r, n = data.draw(st.integers(1, 4)), data.draw(st.integers(1, 5)), data.draw(st.integers(1, 40))
     vals = data.draw(st.lists(floats, min_size=b * r * n, max_size=b * r * n))
     s = torch.tensor(vals, dtype=torch.float32).view(b, r, n)

@@ -1,6 +1,10 @@
-"""Fused score+select kernels (TRITON_INTERPRET=1) are bit-identical to the torch reference."""
+"""Fused score+select kernels (TRITON_INTERPRET=1) are bit-identical to the torch backend."""
 
 from __future__ import annotations
+
+import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -11,8 +15,8 @@ import vtoken_sdk as vt
 from tests.cases import CASES, build, case_id
 from vtoken_sdk import codegen_triton
 from vtoken_sdk.batch import StatsBatch
-from vtoken_sdk.reference import ReferencePolicy
 from vtoken_sdk.testing import BatchSpec, batch_specs, build_batch
+from vtoken_sdk.torch_backend import TorchPolicy
 from vtoken_sdk.triton_backend import TritonPolicy, load_generated
 
 pytestmark = [pytest.mark.triton, pytest.mark.filterwarnings("ignore::RuntimeWarning")]
@@ -36,7 +40,7 @@ def _same_scores(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _check(policy: vt.Policy, batch: StatsBatch, tp: TritonPolicy | None = None, scores: bool = True) -> None:
     tp = tp or _tp(policy)
-    ref = ReferencePolicy(policy)
+    ref = TorchPolicy(policy)
     want = ref.keep_mask(batch)
     got = tp.keep_mask(batch)
     assert got.dtype == torch.bool and got.shape == want.shape
@@ -52,6 +56,7 @@ FIXED = [
     BatchSpec(2, 2, 2, 77, (77, 0), (0, 3), "special", 2, True, (), (30, 5)),
     BatchSpec(1, 1, 3, 64, (64,), (100,), "continuous", 3, False, (), (100,)),  # budget >= length
     BatchSpec(3, 1, 2, 40, (40, 12, 1), (0, 0, 7), "special", 4, False, ((1, 0, 8),), (0, 2, 0)),  # pins > budget
+    BatchSpec(2, 2, 2, 50, (50, 33), (0, 9), "continuous", 5, False, (), None, num_layers=3),  # a deeper model
 ]
 
 
@@ -155,7 +160,7 @@ def test_multipass_equals_single_pass_on_heavy_ties() -> None:
     single = _tp(policy).keep_mask(batch)
     tiled = _tp(policy, max_single=0, tile=256).keep_mask(batch)
     assert torch.equal(single, tiled)
-    assert torch.equal(single, ReferencePolicy(policy).keep_mask(batch))
+    assert torch.equal(single, TorchPolicy(policy).keep_mask(batch))
 
 
 def test_row_of_128k_tokens() -> None:
@@ -168,7 +173,7 @@ def test_row_of_128k_tokens() -> None:
     batch = StatsBatch(stats=stats, lengths=lengths, positions=StatsBatch.contiguous_positions(lengths, n, seq),
                        seq_lens=seq)
     got = TritonPolicy(policy, tile=4096).keep_mask(batch)
-    want = ReferencePolicy(policy).keep_mask(batch)
+    want = TorchPolicy(policy).keep_mask(batch)
     assert int(got.sum()) == 4099 and torch.equal(got, want)
 
 
@@ -185,7 +190,7 @@ def test_length_zero_and_all_nan_rows() -> None:
     got = _tp(policy).keep_mask(batch)
     assert not got[0].any()
     assert got[1].sum(-1).eq(4).all() and got[1, ..., 6:10].all()  # NaN = -inf: ties -> most recent
-    assert torch.equal(got, ReferencePolicy(policy).keep_mask(batch))
+    assert torch.equal(got, TorchPolicy(policy).keep_mask(batch))
 
 
 def test_transcendental_ops_match_on_continuous_data() -> None:
@@ -197,7 +202,7 @@ def test_transcendental_ops_match_on_continuous_data() -> None:
     tp = TritonPolicy(fancy)
     assert not tp.generated.exact
     batch = build_batch(BatchSpec(2, 2, 2, 64, (64, 50), (0, 9), "continuous", 11, False, (), None))
-    ref = ReferencePolicy(fancy)
+    ref = TorchPolicy(fancy)
     torch.testing.assert_close(tp.scores(batch), ref.scores(batch), rtol=1e-5, atol=1e-5)
     assert torch.equal(tp.keep_mask(batch), ref.keep_mask(batch))
 
@@ -214,7 +219,35 @@ def test_generated_source_is_inspectable_and_cached() -> None:
 
 def test_backend_selection(monkeypatch) -> None:
     policy = build(("knorm", {})).configure(name="knorm_backend_test")
-    monkeypatch.setenv("VTOKEN_BACKEND", "triton")
+    monkeypatch.setenv("VTOKEN_POLICY_BACKEND", "triton")
     assert isinstance(policy.compile(), TritonPolicy)
-    monkeypatch.setenv("VTOKEN_BACKEND", "torch")
-    assert isinstance(policy.compile(), ReferencePolicy)
+    monkeypatch.setenv("VTOKEN_POLICY_BACKEND", "torch")
+    assert isinstance(policy.compile(), TorchPolicy)
+
+
+def test_compile_cache_is_the_backends_and_drops_a_dropped_policy(monkeypatch) -> None:
+    """Compiling twice generates the kernels once; the policy object is not written to; a configured copy
+    with the same name gets its own kernels; the cache does not keep a policy nobody holds alive."""
+    calls: list[str] = []
+    real = codegen_triton.generate
+    monkeypatch.setattr(codegen_triton, "generate", lambda p: calls.append(p.name) or real(p))
+    policy = build(("knorm", {})).configure(name="knorm_cache_test")
+    before = {k: copy.copy(v) for k, v in vars(policy).items()}  # copies: a cache dict filled later differs
+    a, b = vt.compile_policy(policy, "triton"), vt.compile_policy(policy, "triton")
+    assert a.generated is b.generated and calls == ["knorm_cache_test"]
+    assert vars(policy) == before  # no compiled state on the policy
+    other = policy.configure(protect=[vt.recent(8)])  # same name, other IR
+    c = vt.compile_policy(other, "triton")
+    assert c.generated.key != a.generated.key and calls == ["knorm_cache_test"] * 2
+    assert torch.equal(c.keep_mask(_cache_batch()), TorchPolicy(other).keep_mask(_cache_batch()))
+    dropped = weakref.ref(other)
+    del other, c
+    gc.collect()
+    assert dropped() is None, "the compile cache keeps a dropped policy alive"
+    vt.compile_policy(policy, "triton")
+    assert calls == ["knorm_cache_test"] * 2  # the held policy's entry survived
+
+
+def _cache_batch() -> StatsBatch:
+    return build_batch(BatchSpec(2, 2, 2, 24, (24, 17), (0, 5), "continuous", 3, False, (), None),
+                       ("key_norm",))

@@ -1,5 +1,6 @@
-"""The Triton statistics kernel equals the runtime's torch stats collector on a real VTokenCache
-(several steps: prefill, eviction, reclaim, decode)."""
+"""The Triton statistics kernel equals the runtime's torch stats collector (``backend="torch"``: no code shared
+with the kernel) on a real VTokenCache (several steps: prefill, eviction, reclaim, decode). The kernel's values
+against the independent dense oracle are ``tests/triton/test_stats_values.py``'s."""
 
 from __future__ import annotations
 
@@ -24,7 +25,10 @@ def test_kernel_matches_stats_collector_over_steps(granularity: str) -> None:
     cache = VTokenCache(L, H, D, bs, num_blocks=24, granularity=granularity, mode="compact",
                         stat_names=STAT_NAMES, async_copy=False)
     mirror = {n: cache.stats_tensor(n)[0].clone() for n in STAT_NAMES}
-    col = StatsCollector(cache, STAT_NAMES, StatsConfig(obs_window=2, history_window=4), G)
+    # the torch backend (probabilities over the paged cache, then the update rules): auto would pick the numba
+    # kernel on these CPU tensors, so name the backend this test compares with
+    col = StatsCollector(cache, STAT_NAMES, StatsConfig(obs_window=2, history_window=4), G, backend="torch")
+    assert col.backend == "torch"
     prompt = torch.tensor([8, 6])  # the window lands on the prompt's last 2 queries, across steps 0-2
     reqs = ["a", "b"]
     for r in reqs:

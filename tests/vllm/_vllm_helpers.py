@@ -37,11 +37,11 @@ def engine(model: str | Path, plugin: dict[str, Any] | None, *, max_model_len: i
            **kw: Any) -> Any:
     """An in-process vLLM ``LLM`` (eager; ``dtype`` float32 or bfloat16). ``plugin=None`` is vanilla vLLM;
     otherwise the kwargs of ``vllm_engine_args``. ``blocks`` sizes the KV cache through
-    ``kv_cache_memory_bytes`` (``vtoken_bench.serve.kv_bytes``, in the engine's dtype)."""
+    ``kv_cache_memory_bytes`` (``vtoken_bench.serve_engine.kv_bytes``, in the engine's dtype)."""
     set_env()
     from vllm import LLM
 
-    from vtoken_bench.serve import kv_bytes
+    from vtoken_bench.serve_engine import kv_bytes
     from vtoken_runtime.vllm_plugin import vllm_engine_args
 
     args: dict[str, Any] = dict(model=str(model), skip_tokenizer_init=not tokenizer, dtype=dtype,
@@ -146,3 +146,14 @@ def segments(trace: list[tuple[int, int, np.ndarray]]) -> list[list[tuple[int, i
             out.append([])
         out[-1].append(e)
     return out
+
+
+def metric(name: str) -> float:
+    """The in-process value of a ``vtoken_*`` Prometheus sample (``vtoken_blocks_freed_total``, ...), 0 before
+    anything was counted (the default registry: in-process engines record there)."""
+    from prometheus_client import REGISTRY
+
+    from vtoken_runtime.vllm_plugin.metrics import counters
+
+    counters()  # created once per process
+    return float(REGISTRY.get_sample_value(name) or 0.0)

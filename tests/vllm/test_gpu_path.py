@@ -4,7 +4,7 @@
 * every unsupported configuration is refused with its message, and CUDA-graph modes are forced to
   PIECEWISE exactly for policies that read statistics;
 * an emulated engine (vLLM's block manager by cache length, the runner's step rewrite
-  ``place_new_tokens``, the runner's row truncation after eviction) over K/V views made by vLLM's own
+  ``place_new_tokens``, the block manager's truncation after eviction, sent to the runner's row) over K/V views made by vLLM's own
   ``create_kv_cache_views`` in the GPU layouts: vLLM's real FlashAttention and Triton metadata builders
   (``build()`` on CPU tensors) see the rewritten lengths, slots and block rows, and FlashAttention's
   rule over that metadata (keys in slot order, ``j <= seq_len - query_len + i``, here the torch paged
@@ -146,8 +146,9 @@ def _views(layout_name: str, dtype: torch.dtype) -> tuple[torch.Tensor, list[tor
 
 class EmulatedEngine:
     """vLLM's side of a step, as the plugin sees it: block rows allocated by CACHE length (the vToken
-    scheduler), the runner's step rewrite, ``reshape_and_cache`` through the slot mapping, and the row
-    truncation after eviction (runner) with the tail blocks returned to the free list (scheduler)."""
+    scheduler's block manager), the runner's step rewrite, ``reshape_and_cache`` through the slot mapping, and
+    the truncation after eviction (the block manager returns the tail blocks to the free list; the next
+    scheduler output gives the runner the truncated row)."""
 
     def __init__(self, views: list[torch.Tensor], granularity: str, max_reqs: int = 6) -> None:
         from vtoken_runtime.cache import VTokenCache
@@ -304,7 +305,7 @@ def test_real_builders_see_the_rewrite_and_attention_equals_dense_over_kept(layo
                         ref = torch.softmax(qh @ K.T / math.sqrt(D), -1) @ V
                         torch.testing.assert_close(out[i, j, h * G:(h + 1) * G], ref, atol=1e-5, rtol=1e-5)
         # the runner's eviction: requests past their prompt evict ~30% at random (newest kept), reclaim,
-        # rows truncated to the blocks the scheduler keeps
+        # rows truncated to the blocks the scheduler's block manager keeps
         for r, plen in prompts.items():
             n_live = cache.live_tokens(r)
             if cache.logical_len(r) < plen or n_live < 8:

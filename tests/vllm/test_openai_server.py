@@ -107,7 +107,7 @@ def _running_server(log: Path, args: list[str]) -> Iterator[Server]:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     from vtoken_bench.models import smollm2_path
-    from vtoken_bench.serve import kv_bytes
+    from vtoken_bench.serve_engine import kv_bytes
 
     # fp32: the twenty-requests test compares batched with alone outputs, which only batch-invariant numerics
     # allow (vanilla vLLM in bf16 gives other greedy tokens in a batch: 3 of 4 prompts measured)

@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from tests.vllm._vllm_helpers import engine, generate, make_tiny_model, prompts  # noqa: E402
+from tests.vllm._vllm_helpers import engine, generate, make_tiny_model, metric, prompts  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -92,12 +92,14 @@ def test_bad_requests_then_good_ones_in_process(tiny: Path) -> None:
 
     ps = prompts([80, 120], seed=5)
     llm = engine(tiny, {"policy": "h2o", "mode": "compact"})
+    rejected = metric("vtoken_rejected_requests_total")
     bad = [{"vtoken_pinned_spans": [0, 16, 3]}, {"vtoken_budget_tokens": -5}, {"vtoken_eviction_ratio": 1.5},
            {"vtoken_enabled": "false"}, {"vtoken_unknown": 1}, {"vtoken": {"pinned_spans": [[0, 16, 2]]}}]
     for extra in bad:
         with pytest.raises(VLLMValidationError, match="vtoken"):
             llm.generate([TokensPrompt(prompt_token_ids=ps[0])],
                          SamplingParams(max_tokens=4, extra_args=extra), use_tqdm=False)
+    assert metric("vtoken_rejected_requests_total") == rejected + len(bad)  # each counted once
     huge = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
                           extra_args={"vtoken_pinned_spans": [0, 10**12]})  # clipped, not 7 TiB
     out = llm.generate([TokensPrompt(prompt_token_ids=ps[1])], huge, use_tqdm=False)
@@ -114,33 +116,34 @@ def test_bad_requests_then_good_ones_in_process(tiny: Path) -> None:
 
 
 def test_runner_block_ids_follow_the_truncated_rows(tiny: Path) -> None:
-    """vLLM rebuilds a request's block-table row from ``runner.requests[rid].block_ids`` when the request
-    re-enters the persistent batch; after every step that copy must equal the (truncated) row, or freed
-    blocks would come back into the request's table."""
+    """The scheduler's block manager owns each request's block list; the runner's copies (its block-table row,
+    and ``requests[rid].block_ids``, from which vLLM rebuilds the row when the request re-enters the persistent
+    batch) follow through the scheduler output: a request whose list shrank is sent its whole list, as a resumed
+    request's is. After every step's state update the three agree for every scheduled request, or freed blocks
+    would stay in (or come back into) the request's table."""
     from tests.vllm._vllm_helpers import runner, scheduler
 
     llm = engine(tiny, {"policy": "h2o", "mode": "compact"}, max_num_batched_tokens=48)
     sched, run = scheduler(llm), runner(llm)
-    orig = sched.update_from_output
+    orig = run._update_states
     seen: list[str] = []
-    checked = [0]
+    checked, resent = [0], [0]
 
-    def wrapped(so, mro):
-        out = orig(so, mro)
+    def wrapped(so):
+        out = orig(so)
         ib = run.input_batch
         bt = ib.block_table[0]
+        resent[0] += len(so.scheduled_cached_reqs.resumed_req_ids)
         for rid in list(ib.req_ids[: ib.num_reqs]):
-            if rid not in run.requests or not run.vtoken_cache.has_request(rid):
-                continue
             row = ib.req_id_to_index[rid]
-            n = int(bt.num_blocks_per_row[row])
+            table = bt.block_table.np[row, : int(bt.num_blocks_per_row[row])].tolist()
             ids = list(run.requests[rid].block_ids[0])
-            if ids != bt.block_table.np[row, :n].tolist():
-                seen.append(f"{rid}: block_ids {ids} != row {bt.block_table.np[row, :n].tolist()}")
-            if run.vtoken_cache.logical_len(rid) > run.vtoken_cache.cache_len(rid):
-                checked[0] += 1  # a request that has evicted
+            owner = list(sched.kv_cache_manager.get_block_ids(rid)[0])
+            if not owner == ids == table:
+                seen.append(f"{rid}: manager {owner}, block_ids {ids}, row {table}")
+            checked[0] += sched.evicted_tokens(rid) > 0  # a request that has evicted
         return out
 
-    sched.update_from_output = wrapped
+    run._update_states = wrapped
     generate(llm, prompts([100, 150, 70], seed=1), [40, 24, 33])
-    assert checked[0] > 20 and not seen, seen[:3]
+    assert checked[0] > 20 and resent[0] > 0 and not seen, seen[:3]

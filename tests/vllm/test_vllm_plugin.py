@@ -19,6 +19,7 @@ from tests.vllm._vllm_helpers import (  # noqa: E402
     generate,
     hf_replay_logits,
     make_tiny_model,
+    metric,
     prompts,
     replay_masks,
     runner,
@@ -227,11 +228,13 @@ def test_policy_error_fails_only_its_request(tiny: Path, tmp_path: Path) -> None
     run = runner(llm)
     run.vtoken_trace = {}
     ps = prompts([100, 160, 80], seed=3)
+    failures = metric("vtoken_policy_failures_total")
     outs = generate(llm, ps, 20)
     assert all(len(o) == 20 for o in outs)
     tr = run.vtoken_trace
     rids = _rid_order(tr)
     assert run.vtoken_counters["policy_failures"] == 1  # only the long request failed
+    assert metric("vtoken_policy_failures_total") == failures + 1  # the Prometheus counter too
     assert tr[rids[1]][-1][2].shape[1] == 160 + 19  # fell back to no eviction
     assert tr[rids[0]][-1][2].shape[1] < 100  # the others kept evicting
     _check_replay(tiny, tr, ps, outs, rids)

@@ -1,8 +1,8 @@
-"""Torch reference compiler: policy IR -> batched keep-mask function.
+"""The torch backend: policy IR -> batched keep-mask function, on any device torch runs on.
 
-This is the ground truth every other backend (the Triton kernels) is tested
-against, bit for bit. Elementwise ops use the plain torch op of the same name;
-reductions add terms in a fixed order so that any backend can reproduce them exactly:
+It is the production backend on CPU (and for mask policies everywhere), and the ground truth
+the Triton kernels (``triton_backend``) are tested against, bit for bit. Elementwise ops use the
+plain torch op of the same name; reductions add terms in a fixed order so that any backend can reproduce them exactly:
 
 * pools: left to right along the window; head mean: head 0..H-1; group mean: g = 0..G-1;
   request-level mean: row 0..R-1;
@@ -68,6 +68,8 @@ def derived_stat(name: str, batch: StatsBatch, seed: int) -> Tensor:
     b, l_, h, n = batch.shape
     if name == "layer":
         return (torch.arange(l_, device=batch.device) + batch.layer_offset).to(torch.float32).reshape(1, l_, 1)
+    if name == "num_layers":
+        return torch.full((1, 1, 1), float(batch.model_layers()), dtype=torch.float32, device=batch.device)
     if name == "head":
         return torch.arange(h, device=batch.device).to(torch.float32).reshape(1, 1, h)
     if name == "head_dim":
@@ -317,7 +319,7 @@ def evaluate(node: ir.Node, env: dict[str, Tensor], shape: tuple[int, ...], vali
     return out[:, :, :, 0, :, 0, 0].expand(shape)
 
 
-class ReferencePolicy:
+class TorchPolicy:
     """The torch backend of a policy: ``keep_mask(batch) -> [B, L, H, N] bool``."""
 
     backend = "torch"

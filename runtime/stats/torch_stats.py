@@ -1,4 +1,8 @@
-"""Update rules of the attention statistics (``vtoken_sdk.stats.CATALOG``), torch reference.
+"""Update rules of the attention statistics (``vtoken_sdk.stats.CATALOG``) as torch tensor math: the torch
+statistics backend (``StatsCollector``'s ``backend="torch"``, the HF adapter's collector and the fallback when
+no compiled kernel runs), which the numba and Triton kernels equal (tests/runtime/test_stats_cpu_kernel.py,
+tests/triton/test_stats_collector_parity.py). It is not an oracle: the tests' ground truth is the independent
+``tests/oracles/stats_reference.py``.
 
 For one layer and one engine step (a decode token or a prefill chunk). Request ``b`` has query
 tokens ``q`` with true positions ``qpos[b, q]`` (-1 = padding; valid queries are the request's newest

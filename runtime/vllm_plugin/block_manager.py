@@ -1,0 +1,136 @@
+"""The one owner of each request's vLLM block list under eviction: vLLM's full-attention manager, by cache length.
+
+vLLM's scheduler sizes a request's KV blocks from its TRUE length (``request.num_computed_tokens`` plus the
+step's new tokens), which also drives positions, stop checks and ``max_model_len`` and never changes here. Under
+eviction the request holds fewer tokens than that::
+
+    evicted       = true length - cache length        (learnt from the worker's report; kept across steps)
+    blocks held   = cdiv(true length - evicted, block_size)
+
+:class:`EvictingAttentionManager` is vLLM's ``FullAttentionManager`` (the ``SingleTypeKVCacheManager`` that holds
+``req_to_blocks``, the request's block list) plus the request's ``evicted`` count. It is the only code that
+changes a block list:
+
+    get_num_blocks_to_allocate,    allocation by cache length: vLLM asks with the true length, the manager
+    allocate_new_blocks            subtracts ``evicted``; ``request.num_computed_tokens`` is never touched
+    admission (full sequence)      a waiting request needs ``cdiv(min(its length, peak), block_size)`` free
+                                   blocks, ``peak`` from the scheduler's rule (:meth:`bind_admission`)
+    truncate(rid, Truncation)      the worker's report: records ``evicted``, frees the tail blocks beyond
+                                   ``cdiv(cache length, block_size)`` tail first, and marks the row to resend
+    pop_blocks_for_free            finish and preemption (recompute) forget ``evicted`` with the blocks
+
+The runner's copy of a truncated row follows through vLLM's own channel: the next scheduler output sends the
+request's whole block list the way a resumed request's is sent (:meth:`rows_to_resend`; the scheduler marks it
+resumed, the runner replaces its ``block_ids`` and rebuilds the row). A report names the true length its cache
+length refers to, so a report that arrives a step late (asynchronous scheduling) still gives the right count.
+
+vLLM builds this manager itself: the vToken scheduler gives its KV cache group the role :data:`VTOKEN_ROLE`
+and registers this class for that role (``KVCacheSpecRegistry.register_role_manager``, vLLM's registration
+point for managers), see :func:`register`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+from vtoken_runtime.token_table import cdiv
+
+from .report import Truncation
+
+VTOKEN_ROLE = "vtoken"  # the KV cache group role the vToken scheduler gives its (single) group
+
+
+class EvictingAttentionManager(FullAttentionManager):
+    """vLLM's full-attention manager allocating by cache length and freeing tail blocks after eviction."""
+
+    def __init__(self, kv_cache_spec: Any, **kwargs: Any) -> None:
+        if not isinstance(kv_cache_spec, FullAttentionSpec) or getattr(kv_cache_spec, "sliding_window", None):
+            raise ValueError(f"vtoken: only full-attention KV cache groups are supported, got "
+                             f"{type(kv_cache_spec).__name__}")
+        super().__init__(kv_cache_spec, **kwargs)
+        self._evicted: dict[str, int] = {}
+        self._resend: set[str] = set()
+        self._admission: Callable[[str], int] | None = None
+        self.blocks_freed = 0
+
+    def bind_admission(self, peak_tokens: Callable[[str], int]) -> None:
+        """``peak_tokens(request_id)``: the most tokens the request will hold while it (re)prefills (the
+        scheduler's :meth:`~.scheduler.VTokenScheduler.admission_tokens`); admission asks for that many."""
+        self._admission = peak_tokens
+
+    # ------------------------------------------------------------------ queries
+    def evicted_tokens(self, request_id: str) -> int:
+        """Tokens of the request no longer in the cache (its true length minus its cache length)."""
+        return self._evicted.get(request_id, 0)
+
+    def held_blocks(self, request_id: str) -> int:
+        return len(self.req_to_blocks.get(request_id, ()))
+
+    def admission_blocks(self, request_id: str, num_tokens: int) -> int:
+        """Blocks a waiting request of ``num_tokens`` tokens must find free: ``cdiv(min(num_tokens, peak),
+        block_size)``, where ``peak`` bounds what it will hold (all of it without a bound)."""
+        peak = self._admission(request_id) if self._admission is not None else num_tokens
+        return cdiv(min(int(num_tokens), int(peak)), self.block_size)
+
+    # ------------------------------------------------------------------ vLLM's allocation, by cache length
+    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, new_computed_blocks: Sequence[Any],
+                                   total_computed_tokens: int, num_local_computed_tokens: int,
+                                   num_tokens_main_model: int, apply_admission_cap: bool = False,
+                                   prefill_end: int = 0) -> int:
+        ev = self._evicted.get(request_id, 0)
+        n = super().get_num_blocks_to_allocate(request_id, num_tokens - ev, new_computed_blocks,
+                                               total_computed_tokens - ev, num_local_computed_tokens - ev,
+                                               num_tokens_main_model - ev, prefill_end=prefill_end)
+        if apply_admission_cap:  # the full-sequence admission gate (never a per-step allocation)
+            return max(min(n, self.admission_blocks(request_id, num_tokens - ev) - self.held_blocks(request_id)), 0)
+        return n
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int) -> list[Any]:
+        ev = self._evicted.get(request_id, 0)
+        return super().allocate_new_blocks(request_id, num_tokens - ev, num_tokens_main_model - ev)
+
+    def pop_blocks_for_free(self, request_id: str) -> list[Any]:
+        self._evicted.pop(request_id, None)
+        self._resend.discard(request_id)
+        return super().pop_blocks_for_free(request_id)
+
+    # ------------------------------------------------------------------ eviction
+    def truncate(self, request_id: str, t: Truncation) -> int:
+        """The worker evicted: the request now holds ``t.cache_len`` of ``t.true_len`` tokens. Records the
+        evicted count and frees the tail blocks beyond ``cdiv(t.cache_len, block_size)`` (tail first, as vLLM
+        frees). Returns the blocks freed; a request this manager no longer holds (finished or preempted since
+        the report was made) is ignored (0)."""
+        blocks = self.req_to_blocks.get(request_id)
+        if blocks is None:
+            return 0
+        if not 0 <= t.cache_len <= t.true_len:
+            raise RuntimeError(f"vtoken: request {request_id} reports cache length {t.cache_len} for true "
+                               f"length {t.true_len}")
+        self._evicted[request_id] = int(t.true_len) - int(t.cache_len)
+        keep = cdiv(int(t.cache_len), self.block_size)
+        if len(blocks) <= keep:
+            return 0
+        tail = blocks[keep:]
+        del blocks[keep:]
+        self.block_pool.free_blocks(reversed(tail))
+        self._resend.add(request_id)
+        self.blocks_freed += len(tail)
+        return len(tail)
+
+    def rows_to_resend(self, scheduled: Iterable[str]) -> set[str]:
+        """The requests among ``scheduled`` whose block list shrank since it was last sent to the runner
+        (forgotten here: the caller sends them now)."""
+        out = self._resend.intersection(scheduled)
+        self._resend -= out
+        return out
+
+
+def register() -> None:
+    """Select :class:`EvictingAttentionManager` for KV cache groups with role :data:`VTOKEN_ROLE` (idempotent;
+    other groups, and other engines in the process, keep vLLM's managers)."""
+    KVCacheSpecRegistry.register_role_manager(VTOKEN_ROLE, EvictingAttentionManager)
