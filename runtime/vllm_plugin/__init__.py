@@ -29,6 +29,7 @@ SCHEDULER_CLS = "vtoken_runtime.vllm_plugin.scheduler.VTokenScheduler"
 WORKER_CLS = "vtoken_runtime.vllm_plugin.worker.VTokenCPUWorker"
 GPU_WORKER_CLS = "vtoken_runtime.vllm_plugin.gpu_worker.VTokenGPUWorker"
 FRONTEND_CLS = "vtoken_runtime.vllm_plugin.frontend:VTokenOptions"
+HTTP_CHECK = "vtoken_runtime.vllm_plugin.frontend.VTokenRequestCheck"  # the server's per-request option check
 
 log = logging.getLogger("vtoken.vllm")
 _REGISTERED = False
@@ -107,11 +108,12 @@ def vllm_engine_args(policy: str | None = "none", mode: str = "compact", evictio
 
 
 def serve_flags(**kw: Any) -> list[str]:
-    """The ``vllm serve`` command-line flags equivalent to :func:`vllm_engine_args` (same arguments)."""
+    """The ``vllm serve`` command-line flags equivalent to :func:`vllm_engine_args` (same arguments), plus the
+    HTTP check of per-request options (``--middleware``: a 400 before a stream starts, one line per key)."""
     import json
 
     a = vllm_engine_args(**kw)
     return ["--scheduler-cls", a["scheduler_cls"], "--worker-cls", a["worker_cls"], "--no-enable-prefix-caching",
             "--no-async-scheduling", "--additional-config", json.dumps(a["additional_config"]),
-            "--logits-processors", *a["logits_processors"],
+            "--logits-processors", *a["logits_processors"], "--middleware", HTTP_CHECK,
             *(["--compilation-config", json.dumps(a["compilation_config"])] if "compilation_config" in a else [])]

@@ -19,6 +19,13 @@ changes a block list:
                                    ``cdiv(cache length, block_size)`` tail first, and marks the row to resend
     pop_blocks_for_free            finish and preemption (recompute) forget ``evicted`` with the blocks
 
+Blocks freed that stay freed. ``blocks_freed`` counts every tail block ``truncate`` gives back; a block freed
+at one step and allocated to the same request at its next allocation (its next scheduled step) was only
+lent to the pool: with a budget of whole blocks and slack 0 a decoding request takes a block and gives it
+back at every step. ``blocks_kept_freed`` (and ``vtoken_blocks_freed_total``) counts a freed block only when
+it stays freed: the blocks freed since the request's last allocation, less the blocks that allocation
+takes (settled at that allocation, or all of them when the request finishes or is preempted).
+
 The runner's copy of a truncated row follows through vLLM's own channel: the next scheduler output sends the
 request's whole block list the way a resumed request's is sent (:meth:`rows_to_resend`; the scheduler marks it
 resumed, the runner replaces its ``block_ids`` and rebuilds the row). A report names the true length its cache
@@ -40,6 +47,7 @@ from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
 from vtoken_runtime.token_table import cdiv
 
+from .metrics import counters
 from .report import Truncation
 
 VTOKEN_ROLE = "vtoken"  # the KV cache group role the vToken scheduler gives its (single) group
@@ -56,7 +64,10 @@ class EvictingAttentionManager(FullAttentionManager):
         self._evicted: dict[str, int] = {}
         self._resend: set[str] = set()
         self._admission: Callable[[str], int] | None = None
-        self.blocks_freed = 0
+        self.blocks_freed = 0  # every block truncate freed
+        self.blocks_kept_freed = 0  # of those, the ones not taken back by the request's next allocation
+        self._lent: dict[str, int] = {}  # blocks freed since the request's last allocation
+        counters()  # the vtoken_* counters exist (at 0) from start-up
 
     def bind_admission(self, peak_tokens: Callable[[str], int]) -> None:
         """``peak_tokens(request_id)``: the most tokens the request will hold while it (re)prefills (the
@@ -92,9 +103,12 @@ class EvictingAttentionManager(FullAttentionManager):
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int) -> list[Any]:
         ev = self._evicted.get(request_id, 0)
-        return super().allocate_new_blocks(request_id, num_tokens - ev, num_tokens_main_model - ev)
+        new = super().allocate_new_blocks(request_id, num_tokens - ev, num_tokens_main_model - ev)
+        self._settle(request_id, len(new))
+        return new
 
     def pop_blocks_for_free(self, request_id: str) -> list[Any]:
+        self._settle(request_id, 0)
         self._evicted.pop(request_id, None)
         self._resend.discard(request_id)
         return super().pop_blocks_for_free(request_id)
@@ -120,7 +134,17 @@ class EvictingAttentionManager(FullAttentionManager):
         self.block_pool.free_blocks(reversed(tail))
         self._resend.add(request_id)
         self.blocks_freed += len(tail)
+        self._lent[request_id] = self._lent.get(request_id, 0) + len(tail)
         return len(tail)
+
+    def _settle(self, request_id: str, allocated: int) -> None:
+        """The request allocates ``allocated`` blocks: that many of the blocks it freed since its last
+        allocation were lent, the rest stay freed (counted)."""
+        lent = self._lent.pop(request_id, 0)
+        kept = lent - min(lent, allocated)
+        if kept:
+            self.blocks_kept_freed += kept
+            counters().blocks_freed.inc(kept)
 
     def rows_to_resend(self, scheduled: Iterable[str]) -> set[str]:
         """The requests among ``scheduled`` whose block list shrank since it was last sent to the runner

@@ -20,6 +20,9 @@ log = logging.getLogger("vtoken.vllm")
 CONFIG_KEY = "vtoken"
 MODES = ("compact", "ordered", "naive")
 NO_POLICY = ("none", "", None)
+# the engine's slack when neither the configuration nor the policy's budget gives one: "block" holds the blocks
+# of slack 0 after every step with one policy call per several decode steps (what `bench serve` measures)
+SERVING_SLACK = "block"
 
 
 @dataclass(frozen=True)
@@ -39,7 +42,9 @@ class PluginConfig:
                     to the budget (one policy call and one reclaim per ``slack`` tokens instead of per
                     decode step; a request holds at most ``slack`` tokens more), or ``"block"``: evict
                     only when a step would otherwise leave the request a block more than the budget's
-                    (the same blocks as slack 0 after every step; see ``Budget``)
+                    (the same blocks as slack 0 after every step; see ``Budget``). Default (None): the
+                    policy's budget's slack if it sets one, else :data:`SERVING_SLACK` (``"block"``), the
+                    setting ``bench serve`` measures; ``slack=0`` evicts at every decode step
     policy_name     which policy of a multi-policy file (default: the first)
     debug           full invariant checks of the token table after every step (slow)
     """
@@ -103,10 +108,13 @@ class PluginConfig:
         if not self.enabled:
             return None
         pol = _load_policy(str(self.policy), self.policy_name)
-        if any(x is not None for x in (self.eviction_ratio, self.budget_tokens, self.when, self.slack)):
+        slack = self.slack
+        if slack is None and "slack" not in pol.budget.model_fields_set:
+            slack = SERVING_SLACK  # the serving default, unless the policy's budget sets its own slack
+        if any(x is not None for x in (self.eviction_ratio, self.budget_tokens, self.when, slack)):
             ratio = None if self.budget_tokens is not None else self.eviction_ratio  # budget_tokens wins
             pol = pol.configure(budget=pol.budget.override(self.budget_tokens, ratio, self.when,  # type: ignore[arg-type]
-                                                           self.slack))
+                                                           slack))
         return pol
 
 
@@ -200,23 +208,40 @@ def _ratio(key: str, v: Any) -> float:
     return float(v)
 
 
+FLAT_SPANS = "a flat list of start,end pairs, e.g. [0, 16, 32, 40]"
+
+
 def _spans(key: str, v: Any, nested: bool) -> tuple[tuple[int, int], ...]:
     if not isinstance(v, list | tuple):
-        raise ValueError(f"vtoken: {key} must be a list of integers read as [start, end) pairs, got {v!r}")
+        raise ValueError(f"vtoken: {key}: got {v!r}; expected {FLAT_SPANS}")
     if nested and all(isinstance(x, list | tuple) for x in v):
         flat = [y for x in v for y in (x if len(x) == 2 else [None, None, None])]
+    elif any(isinstance(x, list | tuple) for x in v):
+        raise ValueError(f"vtoken: {key}: got a nested list {_short(v)}; expected {FLAT_SPANS}")
     else:
         flat = list(v)
     if len(flat) % 2 or len(flat) > 2 * MAX_SPANS:
         raise ValueError(f"vtoken: {key} must hold an even number of integers (at most {2 * MAX_SPANS}), "
-                         f"read as [start, end) pairs; got {len(flat)} value(s)")
+                         f"read as [start, end) pairs; got {len(flat)} value(s); expected {FLAT_SPANS}")
     out = []
     for a, b in zip(flat[0::2], flat[1::2], strict=True):
-        a, b = _int(key, a, 0), _int(key, b, 0)
+        for what, x in (("start", a), ("end", b)):
+            try:
+                _int(key, x, 0)
+            except ValueError:
+                raise ValueError(f"vtoken: {key}: span {what} {_short(x)} in [{_short(a)}, {_short(b)}] must be an "
+                                 f"integer >= 0; expected {FLAT_SPANS}") from None
+        a, b = int(a), int(b)
         if a > b:
-            raise ValueError(f"vtoken: {key}: span [{a}, {b}) must satisfy start <= end")
+            raise ValueError(f"vtoken: {key}: span [{a}, {b}) must satisfy start <= end; expected {FLAT_SPANS}")
         out.append((a, b))
     return tuple(out)
+
+
+def _short(v: Any, limit: int = 60) -> str:
+    """``repr(v)`` cut to ``limit`` characters (an error line stays one short line)."""
+    r = repr(v)
+    return r if len(r) <= limit else r[:limit - 3] + "..."
 
 
 def parse_request_options(extra_args: Any) -> RequestOptions:

@@ -115,3 +115,33 @@ def test_non_finite_and_huge_numbers_are_value_errors(v: float) -> None:
             parse_request_options({key: v})
     with pytest.raises(ValueError, match="vtoken_pinned_spans"):
         parse_request_options({"vtoken_pinned_spans": [0, v]})
+
+
+@pytest.mark.parametrize("extra, line", [
+    ({"vtoken_pinned_spans": [[0, 16]]},
+     "vtoken_pinned_spans: got a nested list [[0, 16]]; expected a flat list of start,end pairs, e.g. [0, 16, 32, 40]"),
+    ({"vtoken_pinned_spans": [0, 16, [32, 40]]}, "vtoken_pinned_spans: got a nested list"),
+    ({"vtoken_pinned_spans": [-1, 16]}, "vtoken_pinned_spans: span start -1 in [-1, 16] must be an integer >= 0; "
+                                        "expected a flat list"),
+    ({"vtoken_pinned_spans": [0, 2.5]}, "vtoken_pinned_spans: span end 2.5 in [0, 2.5] must be an integer >= 0"),
+])
+def test_span_errors_are_one_line_with_the_accepted_form(extra: dict, line: str) -> None:
+    with pytest.raises(ValueError) as e:
+        parse_request_options(extra)
+    assert line in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_serving_slack_is_block_unless_the_policy_or_the_configuration_sets_one(monkeypatch) -> None:  # noqa: ANN001
+    from vtoken_runtime.vllm_plugin import config
+    from vtoken_sdk.budget import Budget
+
+    assert config.SERVING_SLACK == "block"
+    assert PluginConfig(policy="h2o").load_policy().budget.slack == "block"
+    assert PluginConfig(policy="h2o", eviction_ratio=0.3).load_policy().budget.slack == "block"
+    assert PluginConfig(policy="h2o", slack=0).load_policy().budget.slack == 0
+    assert PluginConfig(policy="h2o", slack=32).load_policy().budget.slack == 32
+    own = config._load_policy("h2o", None)
+    own = own.configure(budget=Budget(ratio=0.5, slack=64))
+    monkeypatch.setattr(config, "_load_policy", lambda spec, name: own)
+    assert PluginConfig(policy="mine").load_policy().budget.slack == 64  # the policy's own slack stays
+    assert PluginConfig(policy="mine", slack="block").load_policy().budget.slack == "block"

@@ -50,7 +50,7 @@ def engine(model: str | Path, plugin: dict[str, Any] | None, *, max_model_len: i
                                 enforce_eager=True,
                                 max_num_seqs=max_num_seqs, seed=0, enable_prefix_caching=False)
     if plugin is not None:
-        args.update(vllm_engine_args(**plugin))
+        args.update(vllm_engine_args(**{**plugin, "slack": plugin.get("slack") or 0}))  # slack None: 0, as the references
     args.update(kw)
     return LLM(**args)
 

@@ -2,9 +2,10 @@
 engine-core process), driven with the ``openai`` client and raw HTTP.
 
 One server for the module (SmolLM2-135M, a small KV cache: 96 blocks of 32 tokens), stopped by the
-fixture. Checked: completions and chat, streaming and not; per-request options over ``vllm_xargs``
-(eviction seen on ``/metrics``); every invalid option is a 400 naming the key while the server keeps
-serving; 20 concurrent requests all complete with the output they get alone; a client that
+fixture. Checked: every ``vtoken_*`` counter is on ``/metrics`` at 0 before the first request; completions
+and chat, streaming and not; per-request options over ``vllm_xargs`` (eviction seen on ``/metrics``); every
+invalid option is a 400 naming the key (one line, with the accepted form; streamed requests too, before the
+stream starts; counted in ``vtoken_rejected_requests_total``) while the server keeps serving; 20 concurrent requests all complete with the output they get alone; a client that
 disconnects mid-stream gives its blocks back; refused configurations exit 2 at once; and a second server at
 the default dtype (bf16) serving a long prompt with eviction.
 """
@@ -124,6 +125,19 @@ def _prompt(n_words: int, seed: int = 0) -> str:
     return " ".join(words[(i * 7 + seed * 3) % len(words)] for i in range(n_words))
 
 
+COUNTERS = ("tokens_evicted", "blocks_freed", "tokens_moved", "evictions", "policy_failures", "rejected_requests",
+            "reclaim_seconds", "policy_seconds")
+
+
+def test_every_vtoken_counter_is_listed_at_zero_before_the_first_request(server: Server) -> None:
+    """The first test of the module: the server has served nothing yet."""
+    _, text = _get(server.base + "/metrics")
+    assert server.metric("vllm:request_success_total") == 0
+    for name in COUNTERS:
+        found = re.findall(rf"^vtoken_{name}_total(?:\{{[^}}]*\}})? ([0-9.eE+-]+)$", text, re.M)
+        assert found and all(float(v) == 0 for v in found), (name, found)
+
+
 def test_startup_line_and_completion_chat_streaming(server: Server) -> None:
     assert re.search(r"vtoken: policy=h2o budget\(eviction_ratio=0\.5.*granularity=head statistics=\['attn_sum'\]",
                      server.log.read_text())
@@ -183,6 +197,67 @@ def test_every_invalid_option_is_a_400_and_the_server_keeps_serving(server: Serv
     assert code == 400  # the nested alias is not expressible over HTTP (vLLM types vllm_xargs as flat)
     code, body = _post(url, {"model": server.model, "prompt": "hello", "max_tokens": 4,
                              "vllm_xargs": {"vtoken_pinned_spans": [0, 10**12]}})  # clipped to the request
+    assert code == 200 and body["choices"][0]["text"]
+
+
+def _chat(server: Server, **kw: object) -> object:
+    return server.client().chat.completions.create(model=server.model, messages=[{"role": "user", "content": "Hi."}],
+                                                   max_tokens=4, **kw)
+
+
+def _completion(server: Server, **kw: object) -> object:
+    return server.client().completions.create(model=server.model, prompt="hello", max_tokens=4, **kw)
+
+
+def test_a_streamed_request_with_an_invalid_option_is_a_400_before_the_stream(server: Server) -> None:
+    import openai
+
+    rejected = server.metric("vtoken_rejected_requests_total")
+    cases = [({"vtoken_budget_tokens": -5}, "vtoken_budget_tokens"), ({"vtoken_enabled": "no"}, "vtoken_enabled"),
+             ({"vtoken_pinned_spans": [[0, 16]]}, "vtoken_pinned_spans")]
+    with pytest.raises(openai.BadRequestError) as e:  # vLLM's own invalid parameter, for comparison
+        _completion(server, stream=True, extra_body={"max_tokens": -1})
+    assert e.value.status_code == 400
+    for call in (_completion, _chat):
+        for xargs, key in cases:
+            with pytest.raises(openai.BadRequestError) as e:
+                call(server, stream=True, extra_body={"vllm_xargs": xargs})
+            assert e.value.status_code == 400 and key in e.value.message, (call, xargs, e.value.message)
+    code, body = _post(server.base + "/v1/completions", {"model": server.model, "prompt": "hello", "max_tokens": 4,
+                                                         "stream": True, "vllm_xargs": {"vtoken_budget_tokens": 0}})
+    assert code == 400 and "vtoken_budget_tokens" in body["error"]["message"]
+    assert server.metric("vtoken_rejected_requests_total") == rejected + 2 * len(cases) + 1
+    chunks = list(_completion(server, stream=True, temperature=0, extra_body={"vllm_xargs": {"vtoken_budget_tokens": 8}}))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices)  # a valid streamed request still streams
+
+
+MALFORMED = [  # values vLLM's request model refuses (pydantic) or that used to name the whole option
+    ({"vtoken_pinned_spans": [[0, 16]]}, "vtoken_pinned_spans: got a nested list [[0, 16]]; expected a flat list"),
+    ({"vtoken_pinned_spans": [[0, 16], [32, 40]]}, "vtoken_pinned_spans: got a nested list"),
+    ({"vtoken": {"budget_tokens": 64}}, "vllm_xargs.vtoken: the nested form"),
+    ({"vtoken": {"pinned_spans": [[0, 16]]}, "vtoken_enabled": 1}, "vllm_xargs.vtoken: the nested form"),
+    ({"vtoken_pinned_spans": [-1, 16]}, "vtoken_pinned_spans: span start -1 in [-1, 16] must be an integer >= 0"),
+    ({"vtoken_budget_tokens": {"tokens": 64}}, "vtoken_budget_tokens must be an integer >= 1"),
+]
+
+
+def test_malformed_options_are_one_line_naming_the_key_and_the_accepted_form(server: Server) -> None:
+    import openai
+
+    rejected = server.metric("vtoken_rejected_requests_total")
+    for path, extra in (("/v1/completions", {"prompt": "hello"}),
+                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi."}]})):
+        for xargs, want in MALFORMED:
+            code, body = _post(server.base + path, {"model": server.model, "max_tokens": 4, **extra, "vllm_xargs": xargs})
+            msg = body["error"]["message"]
+            assert code == 400 and want in msg and "\n" not in msg, (path, xargs, body)
+            assert "[0, 16, 32, 40]" in msg or "flat keys" in msg or "integer >= 1" in msg, msg
+    with pytest.raises(openai.BadRequestError) as e:
+        _completion(server, extra_body={"vllm_xargs": {"vtoken": {"enabled": False}}})
+    assert e.value.status_code == 400 and "flat keys" in e.value.message
+    assert server.metric("vtoken_rejected_requests_total") == rejected + 2 * len(MALFORMED) + 1
+    code, body = _post(server.base + "/v1/completions", {"model": server.model, "prompt": "hello", "max_tokens": 4,
+                                                         "vllm_xargs": {"vtoken_pinned_spans": [0, 16, 32, 40]}})
     assert code == 200 and body["choices"][0]["text"]
 
 

@@ -1,7 +1,8 @@
 """Every ``vtoken_*`` Prometheus counter against the figure of the component that owns it, for a known request
 mix (in-process engine, chunked prefill, one request opted out, one with its own budget): the scheduler's block
-manager (blocks freed, evicted tokens, truncations), the token table (tokens moved by compaction) and the
-eviction driver (times, failures). Failures and rejections are counted where a test knows how many there are:
+manager (blocks freed that stay freed, evicted tokens, truncations), the token table (tokens moved by
+compaction) and the eviction driver (times, failures). ``vtoken_blocks_freed_total`` leaves out blocks a request
+takes back at its next step (slack 0 with a budget of whole blocks: one every decode step). Failures and rejections are counted where a test knows how many there are:
 ``test_vllm_plugin.py::test_policy_error_fails_only_its_request`` and
 ``test_vllm_engine.py::test_bad_requests_then_good_ones_in_process``."""
 
@@ -47,6 +48,7 @@ def test_every_counter_matches_its_owner(tiny: Path) -> None:
 
     mgr.truncate = counted
     before = _counters()
+    kept0 = mgr.blocks_kept_freed
     cache = run.vtoken_cache
     moved0 = cache.tokens_moved_total
     extra = [None, {"enabled": False}, {"budget_tokens": 50}, None]
@@ -58,9 +60,39 @@ def test_every_counter_matches_its_owner(tiny: Path) -> None:
     assert seen["truncations"] > 10 and seen["blocks"] > 0 and cache.tokens_moved_total > moved0, seen
     assert got["evictions"] == seen["truncations"] == drv["evictions"]
     assert got["tokens_evicted"] == rows * seen["tokens"] == drv["tokens_evicted"]
-    assert got["blocks_freed"] == seen["blocks"] == sched.vtoken_stats["blocks_freed"] == drv["blocks_freed"]
+    assert seen["blocks"] == sched.vtoken_stats["blocks_freed"] == drv["blocks_freed"]  # every block freed
+    assert got["blocks_freed"] == mgr.blocks_kept_freed - kept0 and 0 < got["blocks_freed"] <= seen["blocks"]
     assert got["tokens_moved"] == cache.tokens_moved_total - moved0 == drv["tokens_moved"]
     assert got["policy_failures"] == drv["policy_failures"] == 0 and got["rejected_requests"] == 0
     for t in ("reclaim_seconds", "policy_seconds"):
         assert got[t] == pytest.approx(drv[t], rel=1e-6, abs=1e-9) and got[t] > 0, t
 
+
+def test_blocks_freed_counts_only_blocks_that_stay_freed(tiny: Path) -> None:
+    """Slack 0 and a budget of whole blocks (64 tokens = 2 blocks of 32): every decode step opens a third block
+    and eviction frees it again. Those are not counted: what stays freed is, per request, the blocks it held at
+    its peak (the prompt) less the blocks it holds when it finishes."""
+    llm = engine(tiny, {"policy": "h2o", "budget_tokens": 64, "slack": 0})
+    (mgr,) = scheduler(llm).kv_cache_manager.coordinator.single_type_managers
+    peak: dict[str, int] = {}
+    final: dict[str, int] = {}
+    allocate, pop = mgr.allocate_new_blocks, mgr.pop_blocks_for_free
+
+    def allocated(rid, *a, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+        new = allocate(rid, *a, **kw)
+        peak[rid] = max(peak.get(rid, 0), mgr.held_blocks(rid))
+        return new
+
+    def popped(rid):  # noqa: ANN001, ANN202
+        final[rid] = mgr.held_blocks(rid)
+        return pop(rid)
+
+    mgr.allocate_new_blocks, mgr.pop_blocks_for_free = allocated, popped
+    before, raw0, kept0 = metric("vtoken_blocks_freed_total"), mgr.blocks_freed, mgr.blocks_kept_freed
+    steps = [40, 30]
+    outs = generate(llm, prompts([150, 200], seed=7), steps)
+    assert [len(o) for o in outs] == steps and set(final) == set(peak) and len(final) == 2
+    got = metric("vtoken_blocks_freed_total") - before
+    raw = mgr.blocks_freed - raw0
+    assert got == mgr.blocks_kept_freed - kept0 == sum(peak[r] - final[r] for r in final) > 0
+    assert raw >= got + sum(steps) - 2 * len(steps)  # the block taken and given back at (nearly) every decode step
