@@ -72,3 +72,13 @@ def runtime_fault(e: BaseException) -> BaseException | None:
             return cur
         cur = cur.__cause__ if cur.__cause__ is not None else cur.__context__
     return None
+
+
+def reraise_runtime_fault(e: BaseException) -> None:
+    """Re-raise :func:`runtime_fault` of ``e`` if there is one (``e`` itself as it is; one it wraps as itself,
+    without the policy's wrapper); return otherwise, leaving ``e`` to the caller's per-request fallback."""
+    fault = runtime_fault(e)
+    if fault is e:
+        raise e
+    if fault is not None:
+        raise fault from None

@@ -41,7 +41,7 @@ import torch
 from vtoken_sdk import Budget, CompiledPolicy, Policy, StatsBatch, compile_policy
 from vtoken_sdk.stats import KVCACHE_STATS, QUERY_STATS
 
-from ._debug import runtime_fault
+from ._debug import reraise_runtime_fault
 from .cache import ReclaimStats, VTokenCache
 from .stats.query_vectors import QueryWindows
 
@@ -192,21 +192,13 @@ class EvictionDriver:
             try:
                 part = self._select(policy, compiled, batch, ns, rows)
             except Exception as e:
-                fault = runtime_fault(e)  # a broken invariant, out of memory, a device error: not the policy's
-                if fault is e:
-                    raise
-                if fault is not None:  # wrapped by the policy's error: re-raised as itself
-                    raise fault from None
+                reraise_runtime_fault(e)  # a broken invariant, out of memory, a device error: not the policy's
                 part = []
                 for i in range(len(live)):
                     try:
                         part += self._select(policy, compiled, batch.select_requests([i]), ns[i:i + 1], rows)
                     except Exception as err:
-                        fault = runtime_fault(err)
-                        if fault is err:
-                            raise
-                        if fault is not None:
-                            raise fault from None
+                        reraise_runtime_fault(err)
                         part.append(f"{type(err).__name__}: {err}")  # the policy's bug, on this request only
             for r, x in zip(live, part, strict=True):
                 acc = results[r]
