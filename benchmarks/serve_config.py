@@ -56,7 +56,12 @@ class ServeConfig:
     # rows whose goodput is searched besides vanilla's: "all", "none", or "POLICY@RATIO[,...]" (vToken rows;
     # "naive:POLICY@RATIO" for a Naive-Evict row)
     goodput_rows: str = "h2o@0.5"
-    goodput_requests: int = 12
+    # requests per goodput probe: at attainment 0.9, 20 allow 2 misses (quick: 10 allow 1), so one slow request
+    # is not a verdict
+    goodput_requests: int = 20
+    # after the paired search, rounds of every goodput engine at every goodput found (steps recorded): the
+    # attainment's spread at each goodput and where the decoding time goes
+    confirm_rounds: int = 2
     # max_num_seqs of the goodput engines, vanilla's included (None: the trace size, no cap). On a compute-bound
     # machine a cap keeps the prompts an evicting engine admits from stretching every running request's TPOT
     goodput_max_seqs: int | None = None
@@ -106,7 +111,8 @@ class ServeConfig:
     def quick(cls) -> ServeConfig:
         return cls(policies=("h2o",), ratios=(0.5, 0.7), modes=("vtoken",), num_requests=11,
                    prompt_tokens=(1024, 1152), output_tokens=(64, 96), vanilla_target=3.0,
-                   goodput_rows="h2o@0.5", goodput_requests=6, unloaded_requests=2, max_ladder=3, bisect_steps=0,
+                   goodput_rows="h2o@0.5", goodput_requests=10, unloaded_requests=2, max_ladder=3, bisect_steps=1,
+                   confirm_rounds=1,
                    rounds=3, rebuild=False, overhead_requests=1, throughput_rounds=3, throughput_requests=None)
 
     def validate(self) -> None:
@@ -140,6 +146,8 @@ class ServeConfig:
         from vtoken_sdk.budget import parse_slack
 
         self.slack = parse_slack(self.slack)
+        if self.confirm_rounds < 0:
+            raise ValueError(f"confirm_rounds={self.confirm_rounds}; expected >= 0")
         if self.rounds < 1 or self.throughput_rounds < 1:
             raise ValueError(f"rounds={self.rounds}, throughput_rounds={self.throughput_rounds}; expected >= 1")
 

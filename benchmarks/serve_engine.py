@@ -63,6 +63,8 @@ class Probe:
     peak_blocks: dict[str, int] = field(default_factory=dict)
     preemptions: int = 0
     steps: int = 0
+    # per schedule(): (requests decoding one token, prefill tokens scheduled) - what the step computes
+    mix: list[tuple[int, int]] = field(default_factory=list)
 
 
 def scheduler_of(llm: Any) -> Any:
@@ -86,6 +88,8 @@ def _instrument(llm: Any) -> None:
         p.steps += 1
         p.max_running = max(p.max_running, len(sched.running))
         p.preemptions += len(getattr(out, "preempted_req_ids", None) or ())
+        n = getattr(out, "num_scheduled_tokens", None) or {}
+        p.mix.append((sum(1 for k in n.values() if k == 1), sum(k for k in n.values() if k > 1)))
         for req in sched.running:
             held = len(mgr.req_to_blocks.get(req.request_id, ()))
             if held > p.peak_blocks.get(req.request_id, 0):
@@ -135,6 +139,9 @@ class RunResult:
     probe: Probe = field(default_factory=Probe)
     blocks_freed: int = 0
     aborted: bool = False
+    # with run_trace(record_steps=True), per engine step: (seconds on the run's clock, requests decoding,
+    # prefill tokens, seconds in the plugin: statistics collector + policy + compaction)
+    steps: list[tuple[float, int, int, float]] = field(default_factory=list)
 
     @property
     def tok_s(self) -> float:
@@ -157,11 +164,12 @@ _RUN_IDS = iter(range(10**9))
 
 def run_trace(llm: Any, trace: Trace, arrivals: np.ndarray | None = None,
               slo: tuple[float, float] | None = None, max_misses: int | None = None,
-              clock: str = "wall") -> RunResult:
+              clock: str = "wall", record_steps: bool = False) -> RunResult:
     """Drive ``llm.llm_engine.step()`` over ``trace``: request ``i`` is added once ``arrivals[i]`` has passed
     on ``clock`` (see :class:`ServingClock`; None: everything at t=0, a closed loop). TTFT and TPOT are
     read on the same clock. With ``slo=(ttft_s, tpot_s)`` and ``max_misses``, the run stops (aborting what
-    is left) as soon as more than ``max_misses`` requests have certainly missed."""
+    is left) as soon as more than ``max_misses`` requests have certainly missed. ``record_steps``: fill
+    ``RunResult.steps`` (what each step computed and cost, the plugin's share apart)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -192,8 +200,12 @@ def run_trace(llm: Any, trace: Trace, arrivals: np.ndarray | None = None,
         if not eng.has_unfinished_requests():
             clk.wait_until(float(arr[nxt]))
             continue
+        if record_steps:
+            k0, ts, vt0 = len(probe.mix), clk.now(), plugin_seconds(llm)
         outs = eng.step()
         t = clk.now()
+        if record_steps and len(probe.mix) > k0:
+            res.steps.append((t - ts, *probe.mix[k0], plugin_seconds(llm) - vt0))
         for o in outs:
             i = index.get(o.request_id)
             if i is None:
@@ -275,6 +287,17 @@ def stats_seconds(llm: Any) -> float | None:
     except AttributeError:
         return None
     return None if col is None else float(col.seconds)
+
+
+def plugin_seconds(llm: Any) -> float:
+    """Seconds the plugin has spent so far on this engine: statistics collector, policy, compaction and its
+    input preparation (0 for vanilla)."""
+    try:
+        c = model_runner_of(llm).vtoken_counters
+    except AttributeError:
+        return 0.0
+    return ((stats_seconds(llm) or 0.0) + float(c.get("policy_seconds", 0.0)) + float(c.get("reclaim_seconds", 0.0))
+            + float(c.get("prepare_seconds", 0.0)))
 
 
 def stats_backend(llm: Any) -> str | None:

@@ -4,7 +4,7 @@ arrival rates. Engine-free: unit-tested in ``tests/bench/test_serve_bench.py``."
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,29 +60,27 @@ class GoodputSearch:
         return self.bracket[1] is None and self.goodput > 0
 
 
-def search_goodput(run: Callable[[float], float], start: float, target: float, *, factor: float = 2.0,
-                   max_ladder: int = 4, bisect_steps: int = 2, min_rate: float = 0.0) -> GoodputSearch:
-    """Highest rate whose ``run(rate) -> attainment`` is ``>= target``, assuming attainment falls with the
-    rate. A geometric ladder from ``start`` (``x factor`` up while passing, ``/ factor`` down while
-    failing, at most ``max_ladder`` steps and never below ``min_rate``) brackets it; ``bisect_steps``
-    geometric bisections narrow the bracket. Returns 0 when the lowest rate probed fails."""
+def _search_steps(start: float, target: float, factor: float, max_ladder: int, bisect_steps: int,
+                  min_rate: float) -> Generator[float, float, GoodputSearch]:
+    """The goodput search as a generator: yields the next rate to probe, is sent its attainment, returns the
+    :class:`GoodputSearch` (see :func:`search_goodput`). One search can so be driven alone or in turn with
+    others (:func:`search_goodput_paired`)."""
     if start <= 0 or factor <= 1:
         raise ValueError(f"start={start}, factor={factor}; expected start > 0, factor > 1")
     probes: list[tuple[float, float]] = []
 
-    def ok(rate: float) -> bool:
-        a = float(run(rate))
-        probes.append((rate, a))
-        return a >= target - 1e-12
+    def ok(rate: float, a: float) -> bool:
+        probes.append((rate, float(a)))
+        return float(a) >= target - 1e-12
 
     lo: float | None = None
     hi: float | None = None
     r = start
-    if ok(r):
+    if ok(r, (yield r)):
         lo = r
         for _ in range(max_ladder):
             r *= factor
-            if not ok(r):
+            if not ok(r, (yield r)):
                 hi = r
                 break
             lo = r
@@ -92,7 +90,7 @@ def search_goodput(run: Callable[[float], float], start: float, target: float, *
             r /= factor
             if r < min_rate:
                 break
-            if ok(r):
+            if ok(r, (yield r)):
                 lo = r
                 break
             hi = r
@@ -101,11 +99,46 @@ def search_goodput(run: Callable[[float], float], start: float, target: float, *
     if hi is not None:
         for _ in range(bisect_steps):
             mid = math.sqrt(lo * hi)
-            if ok(mid):
+            if ok(mid, (yield mid)):
                 lo = mid
             else:
                 hi = mid
     return GoodputSearch(lo, probes, (lo, hi))
+
+
+def search_goodput(run: Callable[[float], float], start: float, target: float, *, factor: float = 2.0,
+                   max_ladder: int = 4, bisect_steps: int = 2, min_rate: float = 0.0) -> GoodputSearch:
+    """Highest rate whose ``run(rate) -> attainment`` is ``>= target``, assuming attainment falls with the
+    rate. A geometric ladder from ``start`` (``x factor`` up while passing, ``/ factor`` down while
+    failing, at most ``max_ladder`` steps and never below ``min_rate``) brackets it; ``bisect_steps``
+    geometric bisections narrow the bracket. Returns 0 when the lowest rate probed fails."""
+    return search_goodput_paired(lambda _label, rate: run(rate), ("",), start, target, factor=factor,
+                                 max_ladder=max_ladder, bisect_steps=bisect_steps, min_rate=min_rate)[""]
+
+
+def search_goodput_paired(run: Callable[[str, float], float], labels: Sequence[str], start: float, target: float,
+                          *, factor: float = 2.0, max_ladder: int = 4, bisect_steps: int = 2,
+                          min_rate: float = 0.0) -> dict[str, GoodputSearch]:
+    """:func:`search_goodput` of several engines at once, in turn: every round, each engine whose search is
+    still open probes its next rate (``run(label, rate)``), in an order rotated from round to round (A B, B A,
+    ...), so a change of load on the machine falls on all of them alike. All start at ``start`` and step on the
+    same geometric grid, so while their brackets overlap they probe the same rates one after the other.
+    Returns each label's search."""
+    if not labels or len(set(labels)) != len(labels):
+        raise ValueError(f"labels {list(labels)}; expected distinct names")
+    gens = {k: _search_steps(start, target, factor, max_ladder, bisect_steps, min_rate) for k in labels}
+    pending = {k: next(g) for k, g in gens.items()}  # label -> the rate it probes next
+    done: dict[str, GoodputSearch] = {}
+    order = list(labels)
+    while pending:
+        for k in [k for k in order if k in pending]:
+            try:
+                pending[k] = gens[k].send(run(k, pending[k]))
+            except StopIteration as stop:
+                done[k] = stop.value
+                del pending[k]
+        order = order[1:] + order[:1]
+    return {k: done[k] for k in labels}
 
 
 def poisson_arrivals(n: int, rate: float | None, seed: int = 1) -> np.ndarray:

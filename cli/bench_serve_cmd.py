@@ -97,23 +97,66 @@ def _probes(g: dict[str, Any]) -> str:
                      f"{p.get('missed_tpot', '?')}, {p.get('running_peak', '?')})" for p in g["probes"]) or "-"
 
 
+def _spread(g: dict[str, Any]) -> str:
+    """The attainment at a search's goodput over its runs (search + confirmations): ``[min, max], held k of n``."""
+    sp = g.get("spread") or {}
+    if not sp.get("runs"):
+        return "-"
+    return f"[{sp['attainment_min']:.2f}, {sp['attainment_max']:.2f}], held {sp['held']} of {sp['runs']}"
+
+
+def _gain(r: dict[str, Any]) -> str:
+    """A row's goodput gain over the vanilla it was searched with, and the range the two brackets allow."""
+    if r.get("goodput_gain") is None:
+        return "-"
+    rng = (r.get("goodput_search") or {}).get("gain_range")
+    if not rng:
+        return f"{r['goodput_gain']:.2f}x"
+    lo, hi = ("-" if x is None else f"{x:.2f}" for x in rng)
+    return f"{r['goodput_gain']:.2f}x [{lo}, {hi}]"
+
+
+def tpot_parts_lines(parts: dict[str, Any]) -> list[str]:
+    """Where the decoding requests' time per step went at one rate, per engine (``serve_steps``)."""
+    if not parts:
+        return []
+    c = parts["cost"]
+    lines = [f"where the time per output token goes at {parts['rate_rps']:.3g} rps (token-weighted mean step; fitted "
+             f"step cost {1e3 * c['base_s']:.1f} ms + {1e3 * c['per_request_s']:.2f} ms per decoding request + "
+             f"{1e6 * c['per_prefill_token_s']:.0f} us per prefill token):"]
+    for k, p in parts["runs"].items():
+        if not p:
+            continue
+        lines.append(f"  {k}: step {1e3 * p['step_s']:.1f} ms = decode {1e3 * p['decode_s']:.1f} ms "
+                     f"({p['decoding_mean']:.1f} requests decoding) + prefill chunks {1e3 * p['prefill_s']:.1f} ms "
+                     f"({p['prefill_tokens_mean']:.0f} tokens) + plugin {1e3 * p['plugin_s']:.1f} ms "
+                     f"(residual {1e3 * p['residual_s']:+.1f} ms)")
+    return lines
+
+
 def print_goodput(rows: list[dict[str, Any]], c: dict[str, Any]) -> None:
-    """``--only goodput``: per row its goodput, its gain over vanilla and every probe (rate: attainment,
-    misses by SLO)."""
+    """Per goodput row: its goodput, its gain over the vanilla it was searched with (and the range the brackets
+    allow), the attainment's spread at the goodput, every probe, and where the decoding time went."""
     table = Table(title=f"goodput, {c['goodput_requests']} requests per rate (prompt tokens "
                         f"{c['prompt_tokens_mean']:.0f}, outputs {c['output_tokens_mean']:.0f}), KV budget "
-                        f"{c['kv_blocks']} blocks x {c['block_size']}, when={c['when']}, chunks of {c['chunk_tokens']}"
+                        f"{c['kv_blocks']} blocks x {c['block_size']}, when={c['when']}, chunks of {c['chunk_tokens']}, "
+                        f"{c.get('dtype')}; each row searched in turn with vanilla"
                         f"{', at most ' + str(c['goodput_max_seqs']) + ' running' if c.get('goodput_max_seqs') else ''}")
-    for col in ("mode", "policy", "evict", "goodput rps", "vs vanilla", "unloaded TTFT s", "unloaded TPOT ms",
+    for col in ("mode", "policy", "evict", "goodput rps", "vs vanilla [bracket range]", "vanilla beside",
+                "attainment at goodput", "unloaded TTFT s", "unloaded TPOT ms",
                 "probes: rps -> attainment (missed TTFT / TPOT, running peak)"):
         table.add_column(col, justify="right")
     for r in rows:
         g = r["goodput_search"]
-        table.add_row(r["mode"], r["policy"], f"{r['eviction_ratio']:.1f}", _fmt(r["goodput_rps"], ".3g"),
-                      "-" if r.get("goodput_gain") is None else f"{r['goodput_gain']:.2f}x",
-                      f"{g['unloaded_ttft_s']:.2f}", f"{1e3 * g['unloaded_tpot_s']:.1f}", _probes(g))
+        beside = g.get("vanilla", {}).get("goodput_rps") if r["mode"] != "vanilla" else None
+        table.add_row(r["mode"], r["policy"], f"{r['eviction_ratio']:.1f}", _fmt(r["goodput_rps"], ".3g"), _gain(r),
+                      _fmt(beside, ".3g"), _spread(g), f"{g['unloaded_ttft_s']:.2f}",
+                      f"{1e3 * g['unloaded_tpot_s']:.1f}", _probes(g))
     out.print(table)
     out.print(_slo_line(c))
+    for r in rows[1:]:
+        for line in tpot_parts_lines(r["goodput_search"].get("tpot_parts") or {}):
+            out.print(line)
 
 
 def print_report(result: dict[str, Any]) -> None:
@@ -156,8 +199,13 @@ def print_report(result: dict[str, Any]) -> None:
     out.print(_slo_line(c))
     for r in result["rows"]:
         if r.get("goodput_search"):
-            out.print(f"  goodput probes of {r['mode']} {r['policy']} {r['eviction_ratio']}, rps -> attainment "
-                      f"(missed TTFT / TPOT, running peak): {_probes(r['goodput_search'])}")
+            g = r["goodput_search"]
+            out.print(f"  goodput of {r['mode']} {r['policy']} {r['eviction_ratio']}: {_fmt(r.get('goodput_rps'), '.3g')} "
+                      f"rps, {_gain(r)} vs vanilla; attainment at it {_spread(g)}; probes, rps -> attainment "
+                      f"(missed TTFT / TPOT, running peak): {_probes(g)}")
+            if r["mode"] != "vanilla":
+                for line in tpot_parts_lines(g.get("tpot_parts") or {}):
+                    out.print("  " + line)
     out.print(f"overhead, policy none vs vanilla ({o['rounds']} interleaved rounds of {o['requests']} request(s)"
               f"{', engines rebuilt every round' if o.get('rebuilt_per_round') else ''}): "
               f"vanilla {o['vanilla_tok_s']} tok/s {spread_text(o, 'vanilla_tok_s')}, plugin {o['plugin_none_tok_s']} tok/s "
@@ -217,11 +265,16 @@ def bench_serve(
     goodput_rows: Annotated[str | None, typer.Option(help="rows whose goodput is searched besides vanilla's: "
                                                           "POLICY@RATIO[,...] (naive:POLICY@RATIO for Naive-Evict), "
                                                           "all or none (default h2o@0.5)")] = None,
-    goodput_requests: Annotated[int | None, typer.Option(min=1, help="requests per rate probed")] = None,
+    goodput_requests: Annotated[int | None, typer.Option(min=1, help="requests per rate probed (default 20, "
+                                                                     "quick 10)")] = None,
     goodput_max_seqs: Annotated[int | None, typer.Option(min=1, help="most requests a goodput engine runs at once "
                                                                      "(vLLM's max_num_seqs, vanilla's too; default: "
                                                                      "no cap)")] = None,
-    bisect_steps: Annotated[int | None, typer.Option(min=0, help="bisection steps after bracketing")] = None,
+    bisect_steps: Annotated[int | None, typer.Option(min=0, help="bisection steps after bracketing (default 2, "
+                                                             "quick 1)")] = None,
+    confirm_rounds: Annotated[int | None, typer.Option(min=0, help="rounds of every goodput engine at every "
+                                                               "goodput found, after the search (the attainment's "
+                                                               "spread; default 2, quick 1)")] = None,
     rounds: Annotated[int | None, typer.Option(min=1, help="interleaved rounds for overhead and stats cost")]
     = None,
     throughput_rounds: Annotated[int | None, typer.Option(min=1, help="lockstep rounds of vanilla vs vToken H2O "
@@ -266,7 +319,7 @@ def bench_serve(
         for name, value in (("num_requests", requests), ("kv_blocks", kv_blocks), ("vanilla_target", vanilla_target),
                             ("chunk_tokens", chunk), ("dtype", dtype), ("step_tokens", step_tokens), ("goodput_rows", goodput_rows),
                             ("goodput_requests", goodput_requests), ("goodput_max_seqs", goodput_max_seqs),
-                            ("bisect_steps", bisect_steps),
+                            ("bisect_steps", bisect_steps), ("confirm_rounds", confirm_rounds),
                             ("rounds", rounds), ("throughput_rounds", throughput_rounds),
                             ("throughput_requests", throughput_requests), ("workers", workers)):
             if value is not None:

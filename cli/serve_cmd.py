@@ -232,11 +232,65 @@ def _terminate(signum: int, _frame: object) -> None:
     raise SystemExit(128 + signum)  # through run_server's finally (vLLM installs its own handler later)
 
 
+ENGINE_DIED_STATUS = 1  # the server's exit status when it stopped because the engine died (vLLM's own: 0)
+
+
+def _record_engine_death() -> list[bool]:
+    """Wraps vLLM's ``terminate_if_errored`` (called by its watchdog and its engine-error handler, which stop
+    the HTTP server once the engine is dead) so that a stop for a dead engine is recorded in the list returned;
+    vLLM then returns normally, and the caller turns that into a non-zero exit status."""
+    died: list[bool] = []
+    try:
+        from vllm.entrypoints.launchers import launcher
+        from vllm.entrypoints.serve.exception_handling.handlers import vllm_error
+    except ImportError:  # pragma: no cover - another vLLM layout: its own exit status stands
+        return died
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    original, shutdown = launcher.terminate_if_errored, AsyncLLM.shutdown
+    stopping: list[bool] = []  # the engine was shut down on purpose (SIGTERM / Ctrl-C): not a death
+
+    def terminate_if_errored(server: object, engine: object) -> None:
+        original(server, engine)
+        if getattr(server, "should_exit", False) and getattr(engine, "errored", False) and not stopping:
+            died.append(True)
+
+    def shutdown_on_purpose(self: AsyncLLM, *a: object, **kw: object) -> object:
+        stopping.append(True)
+        return shutdown(self, *a, **kw)
+
+    AsyncLLM.shutdown = shutdown_on_purpose  # type: ignore[method-assign]
+
+    launcher.terminate_if_errored = terminate_if_errored
+    vllm_error.terminate_if_errored = terminate_if_errored
+    return died
+
+
+GRACEFUL_SHUTDOWN_S = 5  # after a SIGTERM, connections still open this long are closed (uvicorn's default: never)
+
+
+def _bound_graceful_shutdown() -> None:
+    """vLLM stops its engine first on SIGTERM (aborting in-flight requests), then uvicorn waits for open
+    connections, without a bound by default: a request in flight never completes and the server hangs. Give
+    uvicorn's ``timeout_graceful_shutdown`` a bound unless set."""
+    import uvicorn
+
+    original = uvicorn.Config.__init__
+
+    def init(self: object, *a: object, **kw: object) -> None:
+        kw.setdefault("timeout_graceful_shutdown", GRACEFUL_SHUTDOWN_S)
+        original(self, *a, **kw)
+
+    uvicorn.Config.__init__ = init  # type: ignore[method-assign]
+
+
 def run_server(args: list[str]) -> None:
     """``python -m vtoken_cli.serve_cmd ARGS``: vLLM's OpenAI server (``ARGS`` are its flags) in this process,
     with ``PROMETHEUS_MULTIPROC_DIR`` set (unless given) to ``<tmp>/vtoken-prometheus-<pid>``, removed when the
     server exits (normally, on SIGTERM or Ctrl-C); directories of earlier servers whose process is gone (a
-    SIGKILL) are removed first."""
+    SIGKILL) are removed first. When vLLM stops the server because its engine died (a killed engine-core or
+worker process), it exits with status 1 (vLLM's own server exits 0). On SIGTERM, connections still open
+``GRACEFUL_SHUTDOWN_S`` after the engine stopped are closed (uvicorn waits for them forever by default)."""
     own: Path | None = None
     signal.signal(signal.SIGTERM, _terminate)  # before the directory exists: a SIGTERM from then on removes it
     try:
@@ -250,8 +304,14 @@ def run_server(args: list[str]) -> None:
             shutil.rmtree(own, ignore_errors=True)
             own.mkdir()
             os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(own)
+        died = _record_engine_death()
+        _bound_graceful_shutdown()
         sys.argv = [VLLM_SERVER_MODULE, *args]
         runpy.run_module(VLLM_SERVER_MODULE, run_name="__main__", alter_sys=True)
+        if died:
+            print(f"vtoken: the engine died (see above); the server exits with status {ENGINE_DIED_STATUS}",
+                  file=sys.stderr, flush=True)
+            raise SystemExit(ENGINE_DIED_STATUS)
     finally:
         if own is not None:
             shutil.rmtree(own, ignore_errors=True)

@@ -19,6 +19,9 @@ changes a block list:
                                    ``cdiv(cache length, block_size)`` tail first, and marks the row to resend
     pop_blocks_for_free            finish and preemption (recompute) forget ``evicted`` with the blocks
 
+The pool's accounting is published as gauges (``vtoken_kv_blocks_total`` / ``_free`` / ``_held``, see
+:mod:`.metrics`) at start-up and after every allocation, tail free and request free: :meth:`pool_accounts`.
+
 Blocks freed that stay freed. ``blocks_freed`` counts every tail block ``truncate`` gives back; a block freed
 at one step and allocated to the same request at its next allocation (its next scheduled step) was only
 lent to the pool: with a budget of whole blocks and slack 0 a decoding request takes a block and gives it
@@ -47,7 +50,7 @@ from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
 from vtoken_runtime.token_table import cdiv
 
-from .metrics import counters
+from .metrics import counters, record_pool
 from .report import Truncation
 
 VTOKEN_ROLE = "vtoken"  # the KV cache group role the vToken scheduler gives its (single) group
@@ -68,6 +71,7 @@ class EvictingAttentionManager(FullAttentionManager):
         self.blocks_kept_freed = 0  # of those, the ones not taken back by the request's next allocation
         self._lent: dict[str, int] = {}  # blocks freed since the request's last allocation
         counters()  # the vtoken_* counters exist (at 0) from start-up
+        self._record_pool()  # and the block-pool gauges, at the empty pool's figures
 
     def bind_admission(self, peak_tokens: Callable[[str], int]) -> None:
         """``peak_tokens(request_id)``: the most tokens the request will hold while it (re)prefills (the
@@ -81,6 +85,16 @@ class EvictingAttentionManager(FullAttentionManager):
 
     def held_blocks(self, request_id: str) -> int:
         return len(self.req_to_blocks.get(request_id, ()))
+
+    def pool_accounts(self) -> tuple[int, int, int]:
+        """``(total, free, held)``: the pool's usable blocks (its null block excluded), its own free count, and the
+        blocks on this manager's request lists. ``free + held == total`` between scheduler steps."""
+        total = self.block_pool.num_gpu_blocks - 1
+        held = sum(len(b) for b in self.req_to_blocks.values())
+        return total, self.block_pool.get_num_free_blocks(), held
+
+    def _record_pool(self) -> None:
+        record_pool(*self.pool_accounts())
 
     def admission_blocks(self, request_id: str, num_tokens: int) -> int:
         """Blocks a waiting request of ``num_tokens`` tokens must find free: ``cdiv(min(num_tokens, peak),
@@ -105,7 +119,12 @@ class EvictingAttentionManager(FullAttentionManager):
         ev = self._evicted.get(request_id, 0)
         new = super().allocate_new_blocks(request_id, num_tokens - ev, num_tokens_main_model - ev)
         self._settle(request_id, len(new))
+        self._record_pool()
         return new
+
+    def free(self, request_id: str) -> None:
+        super().free(request_id)
+        self._record_pool()
 
     def pop_blocks_for_free(self, request_id: str) -> list[Any]:
         self._settle(request_id, 0)
@@ -135,6 +154,7 @@ class EvictingAttentionManager(FullAttentionManager):
         self._resend.add(request_id)
         self.blocks_freed += len(tail)
         self._lent[request_id] = self._lent.get(request_id, 0) + len(tail)
+        self._record_pool()
         return len(tail)
 
     def _settle(self, request_id: str, allocated: int) -> None:

@@ -13,6 +13,14 @@ to the same request at its next step is not counted (with a budget of whole bloc
 request takes one block and gives it back at every step: none of those is counted). The blocks a request
 gave back since its last allocation count when it finishes or is preempted; the blocks vLLM frees then do
 not count.
+
+Block-pool gauges (the soak's leak check, ``vtoken-cli bench soak``): ``vtoken_kv_blocks_total`` (the pool's
+usable blocks: vLLM's ``num_gpu_blocks`` less its null block), ``vtoken_kv_blocks_free`` (the pool's own free
+count, ``BlockPool.get_num_free_blocks``) and ``vtoken_kv_blocks_held`` (the blocks on the manager's request
+block lists). Two independent accounts of one pool: ``free + held == total`` whenever the scheduler is between
+steps, and ``free == total`` once nothing runs. The scheduler's block manager sets them at start-up and after
+every allocation, tail free and request free. In multiprocess mode they are ``mostrecent`` gauges (the value
+last written, by the engine-core process); in-process engines use the default registry.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 _COUNTERS: Counters | None = None
+_POOL: PoolGauges | None = None
 
 
 @dataclass(frozen=True)
@@ -54,6 +63,38 @@ def counters() -> Counters:
             Counter("vtoken_policy_seconds", "Seconds spent building statistics batches and selecting"),
         )
     return _COUNTERS
+
+
+@dataclass(frozen=True)
+class PoolGauges:
+    total: Any
+    free: Any
+    held: Any
+
+
+def pool_gauges() -> PoolGauges:
+    """The process's ``vtoken_kv_blocks_*`` gauges (created once, at 0)."""
+    global _POOL
+    if _POOL is None:
+        from prometheus_client import Gauge
+
+        _POOL = PoolGauges(
+            Gauge("vtoken_kv_blocks_total", "Usable KV blocks of the scheduler's block pool (null block excluded)",
+                  multiprocess_mode="mostrecent"),
+            Gauge("vtoken_kv_blocks_free", "Free KV blocks, as the block pool counts them",
+                  multiprocess_mode="mostrecent"),
+            Gauge("vtoken_kv_blocks_held", "KV blocks on requests' block lists, as the vtoken block manager counts them",
+                  multiprocess_mode="mostrecent"),
+        )
+    return _POOL
+
+
+def record_pool(total: int, free: int, held: int) -> None:
+    """Set the block-pool gauges (see the module docstring)."""
+    g = pool_gauges()
+    g.total.set(total)
+    g.free.set(free)
+    g.held.set(held)
 
 
 def record_step(report: Any) -> None:

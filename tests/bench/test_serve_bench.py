@@ -18,6 +18,7 @@ from vtoken_bench.serve_slo import (
     miss_counts,
     poisson_arrivals,
     search_goodput,
+    search_goodput_paired,
     tpot_of,
 )
 from vtoken_bench.serve_summary import interleaved_order, paired_ratio, spread
@@ -111,6 +112,36 @@ def test_search_probe_count_is_small() -> None:
     calls: list[float] = []
     search_goodput(_fake(0.3, calls), start=0.25, target=0.9, factor=2.0, max_ladder=4, bisect_steps=2)
     assert calls == [0.25, 0.5, math.sqrt(0.125), pytest.approx(math.sqrt(0.25 * math.sqrt(0.125)))]
+
+
+def test_paired_search_finds_each_capacity_probing_in_turn() -> None:
+    """Two engines searched together: each gets the goodput its own search gets alone, and every round runs the
+    open searches one after the other in a rotated order (A B, B A, ...)."""
+    caps = {"vanilla": 0.3, "row": 0.13}
+    calls: list[tuple[str, float]] = []
+
+    def run(label: str, rate: float) -> float:
+        calls.append((label, rate))
+        return _fake(caps[label], [])(rate)
+
+    got = search_goodput_paired(run, ["vanilla", "row"], start=0.4, target=0.9, factor=2.0, max_ladder=4,
+                                bisect_steps=2)
+    for k, cap in caps.items():
+        alone = search_goodput(_fake(cap, []), start=0.4, target=0.9, factor=2.0, max_ladder=4, bisect_steps=2)
+        assert got[k].goodput == alone.goodput and got[k].probes == alone.probes
+    assert calls[:4] == [("vanilla", 0.4), ("row", 0.4), ("row", 0.2), ("vanilla", 0.2)]  # rotated rounds
+    with pytest.raises(ValueError, match="distinct"):
+        search_goodput_paired(run, ["a", "a"], start=1.0, target=0.9)
+
+
+def test_paired_search_continues_the_open_search_alone() -> None:
+    """When one search closes (its bracket found), the other goes on alone."""
+    calls: list[str] = []
+    got = search_goodput_paired(lambda k, r: (calls.append(k), 1.0 if k == "up" else 0.0)[1], ["up", "down"],
+                                start=1.0, target=0.9, factor=2.0, max_ladder=3, bisect_steps=0, min_rate=0.3)
+    assert got["up"].saturated and got["up"].goodput == 8.0
+    assert got["down"].goodput == 0.0 and [r for r, _ in got["down"].probes] == [1.0, 0.5]
+    assert calls == ["up", "down", "down", "up", "up", "up"]
 
 
 def test_search_rejects_bad_arguments() -> None:

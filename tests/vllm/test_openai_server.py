@@ -12,97 +12,22 @@ the default dtype (bf16) serving a long prompt with eviction.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import re
-import signal
-import socket
 import subprocess
-import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
+from tests.vllm._server import CLI, Server, _get, _post, running_server
+from vtoken_bench.soak_mix import BAD as SOAK_BAD
+
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-CLI = [sys.executable, "-c", "from vtoken_cli.main import main; main()"]
 BLOCKS = 96
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _get(url: str, timeout: float = 5.0) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status, r.read().decode()
-    except OSError:
-        return 0, ""
-
-
-def _post(url: str, body: dict, timeout: float = 120.0) -> tuple[int, dict]:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"{}")
-
-
-class Server:
-    def __init__(self, model: Path, port: int, proc: subprocess.Popen, log: Path) -> None:
-        self.model, self.port, self.proc, self.log = str(model), port, proc, log
-        self.base = f"http://127.0.0.1:{port}"
-
-    def metric(self, name: str) -> float:
-        _, text = _get(self.base + "/metrics")
-        total = 0.0
-        for line in text.splitlines():
-            m = re.match(rf"^{re.escape(name)}(\{{[^}}]*\}})? ([0-9.eE+-]+)$", line)
-            if m:
-                total += float(m.group(2))
-        return total
-
-    def client(self):  # noqa: ANN201
-        import openai
-
-        return openai.OpenAI(base_url=self.base + "/v1", api_key="none", max_retries=0, timeout=120)
-
-
-@contextlib.contextmanager
-def _running_server(log: Path, args: list[str]) -> Iterator[Server]:
-    """``vtoken-cli serve SmolLM2 --port P --host 127.0.0.1 ARGS``, healthy, stopped (its process group) on exit."""
-    from vtoken_bench.models import smollm2_path
-
-    model = smollm2_path()
-    port = _free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
-    with open(log, "w") as fh:
-        proc = subprocess.Popen([*CLI, "serve", str(model), "--port", str(port), "--host", "127.0.0.1", *args],
-                                stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    srv = Server(model, port, proc, log)
-    try:
-        deadline = time.monotonic() + 300
-        while _get(srv.base + "/health", 2)[0] != 200:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"server did not start (rc={proc.poll()}):\n{log.read_text()[-4000:]}")
-            time.sleep(1)
-        yield srv
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +37,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
     # fp32: the twenty-requests test compares batched with alone outputs, which only batch-invariant numerics
     # allow (vanilla vLLM in bf16 gives other greedy tokens in a batch: 3 of 4 prompts measured)
-    with _running_server(tmp_path_factory.mktemp("server") / "server.log",
+    with running_server(tmp_path_factory.mktemp("server") / "server.log",
                          ["--policy", "h2o", "--eviction-ratio", "0.5", "--max-model-len", "1024",
                           "--max-num-seqs", "8", "--block-size", "32", "--enforce-eager", "--dtype", "float32",
                           "--kv-cache-memory-bytes", str(kv_bytes(str(smollm2_path()), BLOCKS, 32))]) as srv:
@@ -169,19 +94,11 @@ def test_per_request_options_over_http_evict_and_show_on_metrics(server: Server)
     assert server.metric("vtoken_policy_failures_total") == 0
 
 
+# the soak's invalid options (one list of what a 400 must name) and two more
 BAD = [
-    ({"vtoken_budget_tokens": -5}, "vtoken_budget_tokens"),
-    ({"vtoken_budget_tokens": 1.5}, "vtoken_budget_tokens"),
-    ({"vtoken_eviction_ratio": 1.5}, "vtoken_eviction_ratio"),
-    ({"vtoken_eviction_ratio": "half"}, "vtoken_eviction_ratio"),
-    ({"vtoken_pinned_spans": [10, 0]}, "vtoken_pinned_spans"),
-    ({"vtoken_pinned_spans": [0, 16, 32]}, "vtoken_pinned_spans"),
+    *SOAK_BAD,
     ({"vtoken_pinned_spans": "0-16"}, "vtoken_pinned_spans"),
-    ({"vtoken_enabled": "false"}, "vtoken_enabled"),
-    ({"vtoken_enabled": 2}, "vtoken_enabled"),
-    ({"vtoken_bogus": 1}, "vtoken_bogus"),
     ({"vtoken_budget_tokens": 8, "vtoken_eviction_ratio": 0.5}, "at most one"),
-    ({"vtoken": "h2o"}, "vtoken"),
 ]
 
 
@@ -316,7 +233,7 @@ def test_default_dtype_serves_a_long_prompt_with_eviction(tmp_path: Path) -> Non
     budget's) is the serving setting the benchmark runs."""
     import torch
 
-    with _running_server(tmp_path / "server.log", ["--policy", "h2o", "--eviction-ratio", "0.5", "--slack", "block",
+    with running_server(tmp_path / "server.log", ["--policy", "h2o", "--eviction-ratio", "0.5", "--slack", "block",
                                                    "--max-model-len", "2048", "--enforce-eager"]) as srv:
         text = srv.log.read_text()
         assert "dtype=torch.bfloat16" in text and "slack=block" in text

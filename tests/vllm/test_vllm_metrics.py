@@ -96,3 +96,30 @@ def test_blocks_freed_counts_only_blocks_that_stay_freed(tiny: Path) -> None:
     raw = mgr.blocks_freed - raw0
     assert got == mgr.blocks_kept_freed - kept0 == sum(peak[r] - final[r] for r in final) > 0
     assert raw >= got + sum(steps) - 2 * len(steps)  # the block taken and given back at (nearly) every decode step
+
+
+def test_block_pool_gauges_follow_the_pool_and_end_empty(tiny: Path) -> None:
+    """``vtoken_kv_blocks_total`` / ``_free`` / ``_held`` (the soak's leak check): after every allocation, tail
+    free and request free the gauges equal the pool's own free count and the manager's lists, ``free + held ==
+    total``; once the requests finish (one opted out, one with its own budget) ``free == total`` and ``held == 0``."""
+    from prometheus_client import REGISTRY
+
+    llm = engine(tiny, {"policy": "h2o", "mode": "compact"}, max_num_batched_tokens=48)
+    (mgr,) = scheduler(llm).kv_cache_manager.coordinator.single_type_managers
+    seen: list[tuple[float, ...]] = []
+    record = mgr._record_pool
+
+    def recorded() -> None:
+        record()
+        g = tuple(REGISTRY.get_sample_value(f"vtoken_kv_blocks_{k}") for k in ("total", "free", "held"))
+        assert g == tuple(float(x) for x in mgr.pool_accounts())
+        seen.append(g)
+
+    mgr._record_pool = recorded
+    outs = generate(llm, prompts([100, 150, 120], seed=5), [30, 20, 25],
+                    extra=[None, {"enabled": False}, {"budget_tokens": 50}])
+    assert [len(o) for o in outs] == [30, 20, 25]
+    assert len(seen) > 10 and any(h > 0 for _, _, h in seen)
+    assert all(f + h == t for t, f, h in seen), seen
+    total, free, held = seen[-1]
+    assert free == total == mgr.block_pool.num_gpu_blocks - 1 and held == 0
