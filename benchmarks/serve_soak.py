@@ -412,6 +412,20 @@ def summarise(cfg: SoakConfig, ph: dict[str, Any], model: str, cmd: list[str], w
     return s
 
 
+class SoakAborted(RuntimeError):
+    """The server died during the soak: no figure is meaningful; the message carries its exit status and errors."""
+
+
+def last_errors(log: Path, n: int = 12) -> str:
+    """The last ``n`` lines of the server's log that name an error (the root cause of an engine's death)."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError as e:
+        return f"(log unreadable: {e})"
+    hits = [ln for ln in lines if "Error" in ln or "error" in ln]
+    return "\n".join(hits[-n:]) or "\n".join(lines[-n:])
+
+
 def run_soak(cfg: SoakConfig) -> dict[str, Any]:
     """Start the server, run the phases, stop the server; the summary (with ``checks``)."""
     from .models import smollm2_path
@@ -427,6 +441,12 @@ def run_soak(cfg: SoakConfig) -> dict[str, Any]:
         server.wait_healthy(cfg.start_timeout_s)
         _log(f"healthy after {time.monotonic() - t0:.1f} s")
         ph = asyncio.run(soak_phases(server, cfg, model))
+    except Exception as e:
+        rc = server.proc.poll()
+        if rc is None:
+            raise
+        raise SoakAborted(f"the server exited with status {rc} during the soak ({type(e).__name__}: {e}); its "
+                          f"last errors:\n{last_errors(log)}\nfull log: {log}") from e
     finally:
         server.stop()
     out = summarise(cfg, ph, model, cmd, time.monotonic() - t0)
@@ -434,4 +454,4 @@ def run_soak(cfg: SoakConfig) -> dict[str, Any]:
     return out
 
 
-__all__ = ["DISCONNECT", "INVALID", "SoakConfig", "parse_metrics", "run_soak", "server_command"]
+__all__ = ["DISCONNECT", "INVALID", "SoakAborted", "SoakConfig", "last_errors", "parse_metrics", "run_soak", "server_command"]

@@ -37,14 +37,18 @@ def bench_soak(
 ) -> None:
     """Soak one `vtoken-cli serve` (h2o 0.5, float32): mixed requests (evicting, opted out, own budgets, pinned
     spans, invalid, disconnects, chat n>1, context limit); exit 1 if a check fails (named on stderr)."""
-    from vtoken_bench.serve_soak import SoakConfig, run_soak
+    from vtoken_bench.serve_soak import SoakAborted, SoakConfig, run_soak
 
     cfg = SoakConfig(minutes=minutes, max_requests=max_requests, rate=rate,
                      prompt_tokens=_pair(prompt_tokens, "--prompt-tokens"),
                      output_tokens=_pair(output_tokens, "--output-tokens"), replay=replay, kv_blocks=kv_blocks,
                      max_num_seqs=max_num_seqs, enforce_eager=enforce_eager, seed=seed,
                      drain_timeout_s=drain_timeout, log=server_log)
-    out = run_soak(cfg)
+    try:
+        out = run_soak(cfg)
+    except SoakAborted as e:
+        print(f"soak: FAIL server_alive: {e}", file=sys.stderr)
+        raise typer.Exit(1) from None
     text = json.dumps(out, indent=2, default=str)
     print(text)
     if as_json:

