@@ -7,7 +7,7 @@ vanilla's, the two engines probing in turn at each rate (:func:`run_goodput_only
     paired search (serve_slo.search_goodput_paired): rate r0: V R, r1: R V, r2: V R ...  (same arrivals)
     confirmation: both engines again at both goodput rates, ``confirm_rounds`` rotated rounds, with every
                   engine step recorded: the attainment's spread at each goodput, and where the decoding
-                  requests' time goes at vanilla's goodput (serve_steps.compare_tpot_parts)
+                  requests' time goes at each of those rates (tpot_parts_by_rate, serve_steps)
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import numpy as np
 from .serve_config import ServeConfig, Trace, plugin_args
 from .serve_engine import build_engine, free_engine, run_trace, warm_engine
 from .serve_slo import allowed_misses, attainment, miss_counts, poisson_arrivals, search_goodput_paired
-from .serve_steps import Step, compare_tpot_parts
+from .serve_steps import Step, compare_tpot_parts, tpot_parts
 
 VANILLA = "vanilla"
 
@@ -75,7 +75,7 @@ def paired_goodput(engines: dict[str, Any], cfg: ServeConfig, trace: Trace, slo:
     """The goodput searches of ``engines`` (label -> engine) run in turn (:func:`search_goodput_paired`), then
     ``cfg.confirm_rounds`` rotated rounds of every engine at every goodput found (steps recorded). Per label:
     ``{goodput_rps, bracket, saturated, probes, confirm: {rate: [attainment, ...]}}`` and, under
-    ``"tpot_parts"``, where the decoding time went at the lowest goodput found (:func:`compare_tpot_parts`)."""
+    ``"tpot_parts"``, where the decoding time went at each goodput found (:func:`tpot_parts_by_rate`)."""
     probes: dict[str, list[dict[str, Any]]] = {k: [] for k in engines}
 
     def run(label: str, rate: float) -> float:
@@ -91,7 +91,7 @@ def paired_goodput(engines: dict[str, Any], cfg: ServeConfig, trace: Trace, slo:
             None if s.bracket[1] is None else round(s.bracket[1], 4)], "saturated": s.saturated,
             "probes": probes[k], "confirm": {}} for k, s in found.items()}
     rates = sorted({s.goodput for s in found.values() if s.goodput > 0})
-    steps: dict[str, list[Step]] = {k: [] for k in engines}
+    steps: dict[float, dict[str, list[Step]]] = {r: {k: [] for k in engines} for r in rates}
     order = list(engines)
     for _ in range(cfg.confirm_rounds if rates else 0):
         for k in order:
@@ -99,15 +99,26 @@ def paired_goodput(engines: dict[str, Any], cfg: ServeConfig, trace: Trace, slo:
                 rec, st = probe(engines[k], cfg, trace, slo, rate, record_steps=True)
                 log(_probe_line(f"{k} (confirm)", rec, len(trace)))
                 out[k]["confirm"].setdefault(f"{rate:.4f}", []).append(rec["attainment"])
-                if rate == rates[0]:
-                    steps[k].extend(st)
+                steps[rate][k].extend(st)
         order = order[1:] + order[:1]
-    parts = compare_tpot_parts(steps) if any(steps.values()) else {}
-    if parts:
-        parts["rate_rps"] = round(rates[0], 4)
+    parts = tpot_parts_by_rate(steps)
     for k in out:
         out[k]["tpot_parts"] = parts
     return out
+
+
+def tpot_parts_by_rate(steps: dict[float, dict[str, list[Step]]]) -> list[dict[str, Any]]:
+    """Where the decoding time went, per confirmed rate (ascending) and engine: one step-cost model fitted over
+    every step recorded (same machine, model and dtype), each run's :func:`~.serve_steps.tpot_parts` under it
+    (``[]`` when too few steps were recorded). The steps of a probe stopped early are its steps until then."""
+    every = {f"{k}@{r}": v for r, runs in steps.items() for k, v in runs.items()}
+    fit = compare_tpot_parts(every)
+    if not fit:
+        return []
+    c = fit["cost"]
+    cost = (c["base_s"], c["per_request_s"], c["per_prefill_token_s"])
+    return [{"rate_rps": round(r, 4), "cost": c, "runs": {k: tpot_parts(v, cost) for k, v in runs.items()}}
+            for r, runs in sorted(steps.items())]
 
 
 def goodput_spread(search: dict[str, Any], cfg: ServeConfig) -> dict[str, Any]:
@@ -172,7 +183,7 @@ def run_goodput_only(cfg: ServeConfig, model_dir: str, trace: Trace, gp_trace: T
         v["spread"] = goodput_spread(v, cfg)
         van_search = van_search or v
         g = got.get(label) or {"goodput_rps": 0.0, "bracket": [0.0, None], "saturated": False, "probes": [],
-                               "confirm": {}, "tpot_parts": {}}
+                               "confirm": {}, "tpot_parts": []}
         g = {**row_un, "start_rps": round(start, 4), "floor_rps": round(floor, 4), **g, "vanilla": v}
         g["spread"] = goodput_spread(g, cfg)
         g["gain_range"] = gain_range(g, v)

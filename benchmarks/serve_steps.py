@@ -54,8 +54,8 @@ def tpot_parts(steps: Sequence[Step], cost: tuple[float, float, float]) -> dict[
              "decode_s": base + per_req * mean(n)}
     parts["residual_s"] = parts["step_s"] - parts["plugin_s"] - parts["prefill_s"] - parts["decode_s"]
     out: dict[str, Any] = {k: round(x, 5) for k, x in parts.items()}
-    out.update(decoding_mean=round(mean(n), 2), prefill_tokens_mean=round(mean(p), 1), steps=len(steps),
-               decode_steps=len(dec))
+    out.update(decoding_mean=round(mean(n), 2), prefill_tokens_mean=round(mean(p), 1),
+               prefill_step_frac=round(mean((p > 0).astype(float)), 3), steps=len(steps), decode_steps=len(dec))
     return out
 
 

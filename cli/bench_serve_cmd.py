@@ -116,21 +116,23 @@ def _gain(r: dict[str, Any]) -> str:
     return f"{r['goodput_gain']:.2f}x [{lo}, {hi}]"
 
 
-def tpot_parts_lines(parts: dict[str, Any]) -> list[str]:
-    """Where the decoding requests' time per step went at one rate, per engine (``serve_steps``)."""
-    if not parts:
-        return []
-    c = parts["cost"]
-    lines = [f"where the time per output token goes at {parts['rate_rps']:.3g} rps (token-weighted mean step; fitted "
-             f"step cost {1e3 * c['base_s']:.1f} ms + {1e3 * c['per_request_s']:.2f} ms per decoding request + "
-             f"{1e6 * c['per_prefill_token_s']:.0f} us per prefill token):"]
-    for k, p in parts["runs"].items():
-        if not p:
+def tpot_parts_lines(parts: list[dict[str, Any]] | dict[str, Any]) -> list[str]:
+    """Where the decoding requests' time per step went, per confirmed rate and engine (``serve_steps``)."""
+    lines: list[str] = []
+    for at in [parts] if isinstance(parts, dict) else parts:
+        if not at:
             continue
-        lines.append(f"  {k}: step {1e3 * p['step_s']:.1f} ms = decode {1e3 * p['decode_s']:.1f} ms "
-                     f"({p['decoding_mean']:.1f} requests decoding) + prefill chunks {1e3 * p['prefill_s']:.1f} ms "
-                     f"({p['prefill_tokens_mean']:.0f} tokens) + plugin {1e3 * p['plugin_s']:.1f} ms "
-                     f"(residual {1e3 * p['residual_s']:+.1f} ms)")
+        c = at["cost"]
+        lines.append(f"where the time per output token goes at {at['rate_rps']:.3g} rps (token-weighted mean step; "
+                     f"fitted step cost {1e3 * c['base_s']:.1f} ms + {1e3 * c['per_request_s']:.2f} ms per decoding "
+                     f"request + {1e6 * c['per_prefill_token_s']:.0f} us per prefill token):")
+        for k, p in at["runs"].items():
+            if not p:
+                continue
+            lines.append(f"  {k}: step {1e3 * p['step_s']:.1f} ms = decode {1e3 * p['decode_s']:.1f} ms "
+                         f"({p['decoding_mean']:.1f} requests decoding) + prefill chunks {1e3 * p['prefill_s']:.1f} ms "
+                         f"({p['prefill_tokens_mean']:.0f} tokens; {100 * p.get('prefill_step_frac', 0):.0f}% of "
+                         f"steps) + plugin {1e3 * p['plugin_s']:.1f} ms (residual {1e3 * p['residual_s']:+.1f} ms)")
     return lines
 
 

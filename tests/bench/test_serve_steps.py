@@ -48,3 +48,22 @@ def test_parts_sum_to_the_token_weighted_step_and_split_by_cause() -> None:
 def test_nothing_to_split_without_decoding_steps_or_enough_steps() -> None:
     assert tpot_parts([(0.2, 0, 128, 0.0)], (0.0, 0.0, 0.001)) == {}
     assert compare_tpot_parts({"a": [(0.1, 1, 0, 0.0)]}) == {}
+
+
+def test_prefill_step_fraction_is_token_weighted() -> None:
+    w = [(0.1, 1, 0, 0.0), (0.5, 3, 128, 0.0), (0.2, 0, 128, 0.0)]  # the prefill-only step decodes nothing
+    assert tpot_parts(w, (0.0, 0.1, 0.001))["prefill_step_frac"] == pytest.approx(3 / 4)
+
+
+def test_parts_by_rate_share_one_cost_model_and_come_in_rate_order() -> None:
+    from vtoken_bench.serve_goodput import tpot_parts_by_rate
+
+    steps = {0.2: {"vanilla": _steps(60, 0.02, 0.004, 0.0003, 0.0, seed=3),
+                   "row": _steps(60, 0.02, 0.004, 0.0003, 0.001, seed=4)},
+             0.1: {"vanilla": _steps(60, 0.02, 0.004, 0.0003, 0.0, seed=5), "row": []}}
+    got = tpot_parts_by_rate(steps)
+    assert [g["rate_rps"] for g in got] == [0.1, 0.2]
+    assert got[0]["cost"] == got[1]["cost"]
+    assert got[0]["cost"]["per_prefill_token_s"] == pytest.approx(0.0003, rel=1e-3)
+    assert got[0]["runs"]["row"] == {} and got[1]["runs"]["row"]["plugin_s"] > 0
+    assert tpot_parts_by_rate({0.1: {"vanilla": [], "row": []}}) == []
