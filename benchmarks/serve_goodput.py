@@ -130,7 +130,7 @@ def goodput_spread(search: dict[str, Any], cfg: ServeConfig) -> dict[str, Any]:
     if not got:
         return {"runs": 0}
     return {"runs": len(got), "attainment_min": min(got), "attainment_max": max(got),
-            "held": sum(a >= cfg.slo_attainment - 1e-12 for a in got)}
+            "held": int(sum(bool(a >= cfg.slo_attainment - 1e-12) for a in got))}
 
 
 def gain_range(row: dict[str, Any], van: dict[str, Any]) -> list[float | None] | None:

@@ -18,7 +18,7 @@ def allowed_misses(n_requests: int, attainment: float) -> int:
 def meets_slo(ttft: float | None, tpot: float | None, ttft_slo: float, tpot_slo: float) -> bool:
     """A request meets the SLO when it has a first token within ``ttft_slo`` and a TPOT within
     ``tpot_slo`` (None: never produced / never finished = a miss)."""
-    return ttft is not None and tpot is not None and ttft <= ttft_slo and tpot <= tpot_slo
+    return bool(ttft is not None and tpot is not None and ttft <= ttft_slo and tpot <= tpot_slo)
 
 
 def attainment(ttfts: Sequence[float | None], tpots: Sequence[float | None], ttft_slo: float,
@@ -28,7 +28,7 @@ def attainment(ttfts: Sequence[float | None], tpots: Sequence[float | None], ttf
         raise ValueError("one TTFT and one TPOT per request")
     if not ttfts:
         return 0.0
-    return sum(meets_slo(a, b, ttft_slo, tpot_slo) for a, b in zip(ttfts, tpots, strict=True)) / len(ttfts)
+    return float(sum(meets_slo(a, b, ttft_slo, tpot_slo) for a, b in zip(ttfts, tpots, strict=True)) / len(ttfts))
 
 
 def miss_counts(ttfts: Sequence[float | None], tpots: Sequence[float | None], ttft_slo: float,

@@ -91,6 +91,13 @@ def _slo_line(c: dict[str, Any]) -> str:
             f"{'; goodput engines run at most ' + str(c['goodput_max_seqs']) if c.get('goodput_max_seqs') else ''}")
 
 
+def _plain(x: Any) -> Any:
+    """``json.dumps``'s fallback for the numpy scalars a measurement can carry (``np.int64`` counts)."""
+    if hasattr(x, "item") and callable(x.item):
+        return x.item()
+    raise TypeError(f"Object of type {type(x).__name__} is not JSON serializable")
+
+
 def _probes(g: dict[str, Any]) -> str:
     """A goodput search's probes in the order run: ``rate -> attainment (missed TTFT / TPOT, running peak)``."""
     return ", ".join(f"{p['rate_rps']:.3g} -> {p['attainment']:.2f} ({p.get('missed_ttft', '?')}/"
@@ -341,5 +348,5 @@ def bench_serve(
         err.print(f"plot: {plot}")
     if as_json:
         as_json.parent.mkdir(parents=True, exist_ok=True)
-        as_json.write_text(json.dumps(result, indent=2))
+        as_json.write_text(json.dumps(result, indent=2, default=_plain))
         err.print(f"json: {as_json}")

@@ -164,7 +164,8 @@ def test_bench_serve_tiny_trace_json_schema_and_gains(tmp_path: Path) -> None:
     assert s["slack_variant"] == 0 and s["ratio_slack_spread"]["min"] <= s["ratio_slack"] <= s["ratio_slack_spread"]["max"]
     assert (tmp_path / "s.png").stat().st_size > 10_000
     assert "goodput" in res.stdout and "stats cost" in res.stdout and "closed-loop throughput" in res.stdout
-    assert "goodput probes of vanilla none 0.0" in res.stdout and "goodput probes of vtoken h2o 0.5" in res.stdout
+    assert "goodput of vanilla none 0.0:" in res.stdout and "goodput of vtoken h2o 0.5:" in res.stdout
+    assert "probes, rps -> attainment" in res.stdout
 
 
 @pytest.mark.vllm
@@ -234,17 +235,22 @@ def test_bench_serve_only_goodput_searches_vanilla_then_the_named_rows(tmp_path:
     assert c["only"] == "goodput" and c["ttft_slo_factor"] == 4.0
     assert c["ttft_slo_s"] == pytest.approx(4.0 * c["unloaded_ttft_s"], rel=1e-2)
     assert c["tpot_slo_s"] == pytest.approx(3.0 * c["unloaded_tpot_s"], rel=1e-2)
-    van_gp = rows[0]["goodput_rps"]
     for r in rows:
         g = r["goodput_search"]
         assert r["goodput_rps"] == g["goodput_rps"] >= 0 and g["probes"]
+        # each row's gain is over the vanilla search run in turn with it (the first pairing's is the vanilla row)
+        van_gp = (g if r["mode"] == "vanilla" else g["vanilla"])["goodput_rps"]
         assert r["goodput_gain"] == (round(r["goodput_rps"] / van_gp, 3) if van_gp else None)
         for p in g["probes"]:  # a request that met both SLOs missed neither
             assert 0 <= p["missed_ttft"] <= 3 and 0 <= p["missed_tpot"] <= 3
             assert round(p["attainment"] * 3) >= 3 - p["missed_ttft"] - p["missed_tpot"]
             assert p["attainment"] < 1 or p["missed_ttft"] == p["missed_tpot"] == 0
-    if van_gp:  # the rows start on vanilla's grid: at its goodput
-        assert all(r["goodput_search"]["probes"][0]["rate_rps"] == pytest.approx(van_gp, rel=1e-3) for r in rows[1:])
+    # a row and its vanilla are probed in turn on one grid: both start at the prefill-bound rate
+    for r in rows[1:]:
+        g = r["goodput_search"]
+        assert g["probes"][0]["rate_rps"] == g["vanilla"]["probes"][0]["rate_rps"] == pytest.approx(g["start_rps"], rel=1e-3)
+    # the vanilla row is the search of the first pairing
+    assert rows[0]["goodput_search"]["probes"] == rows[1]["goodput_search"]["vanilla"]["probes"]
     assert "goodput" in res.stdout and "SLOs: TTFT" in res.stdout and "missed TTFT" in res.stdout
     # uncapped, vanilla runs at least the two requests its KV budget holds once the rate is high enough (a
     # third may start its first chunk while they finish) ...
