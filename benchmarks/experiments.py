@@ -83,9 +83,16 @@ def save_figure(fig: Any, path: Path) -> None:
     plt.close(fig)
 
 
+def _plain(x: Any) -> Any:
+    """``json.dumps``'s fallback for the numpy scalars a measurement can carry (``np.int64`` counts)."""
+    if hasattr(x, "item") and callable(x.item):
+        return x.item()
+    raise TypeError(f"Object of type {type(x).__name__} is not JSON serializable")
+
+
 def write_json(result: dict[str, Any], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2))
+    path.write_text(json.dumps(result, indent=2, default=_plain))
 
 
 def decode_grouped(s: Any, keys: list[str], tokens: Sequence[int], groups: Sequence[Sequence[int]],

@@ -7,7 +7,6 @@ modules it runs.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -89,13 +88,6 @@ def _slo_line(c: dict[str, Any]) -> str:
             f"TPOT <= {1e3 * c['tpot_slo_s']:.1f} ms ({c['tpot_slo_factor']}x {1e3 * c['unloaded_tpot_s']:.1f} ms), "
             f"attainment >= {c['slo_attainment']:.0%}, on the {c['clock']} clock"
             f"{'; goodput engines run at most ' + str(c['goodput_max_seqs']) if c.get('goodput_max_seqs') else ''}")
-
-
-def _plain(x: Any) -> Any:
-    """``json.dumps``'s fallback for the numpy scalars a measurement can carry (``np.int64`` counts)."""
-    if hasattr(x, "item") and callable(x.item):
-        return x.item()
-    raise TypeError(f"Object of type {type(x).__name__} is not JSON serializable")
 
 
 def _probes(g: dict[str, Any]) -> str:
@@ -347,6 +339,7 @@ def bench_serve(
         plot_serve(result, plot)
         err.print(f"plot: {plot}")
     if as_json:
-        as_json.parent.mkdir(parents=True, exist_ok=True)
-        as_json.write_text(json.dumps(result, indent=2, default=_plain))
+        from vtoken_bench.experiments import write_json
+
+        write_json(result, as_json)
         err.print(f"json: {as_json}")
