@@ -55,6 +55,9 @@ class SoakConfig:
     kv_blocks: int = 256
     block_size: int = 32
     max_num_seqs: int = 8
+    # concurrent evicting requests at the longest prompt in the warm-up (with one chat n>1): the server reaches
+    # its working set for a full batch before the RSS baseline is read (None: max_num_seqs)
+    warm_requests: int | None = None
     enforce_eager: bool = False
     seed: int = 0
     drain_timeout_s: float = 600.0
@@ -125,20 +128,25 @@ class Server:
 
     def rss_bytes(self) -> int:
         """Resident memory of the server's process tree (API server, engine core, the launcher)."""
+        return sum(self.rss_by_process().values())
+
+    def rss_by_process(self) -> dict[str, int]:
+        """Resident memory per process of the server's tree, keyed ``name[pid]`` (vLLM titles its engine core
+        ``VLLM::EngineCore``; the launcher and the API server are ``python``/``vtoken-cli``)."""
         import psutil
 
         try:
             root = psutil.Process(self.proc.pid)
             procs = [root, *root.children(recursive=True)]
         except psutil.NoSuchProcess:
-            return 0
-        total = 0
+            return {}
+        out: dict[str, int] = {}
         for p in procs:
             try:
-                total += p.memory_info().rss
+                out[f"{p.name()}[{p.pid}]"] = p.memory_info().rss
             except psutil.NoSuchProcess:
                 pass
-        return total
+        return out
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -262,8 +270,10 @@ def make_specs(cfg: SoakConfig, model: str) -> tuple[list[Spec], dict[str, Any]]
             pos = 0
         specs.append(build_spec(i, kind, rng, stream[pos:pos + n], **kw))
         pos += n
-    warm = [build_spec(-1, "evict", rng, stream[-cfg.prompt_tokens[1]:], **kw),
-            build_spec(-2, "chat_n", rng, [], **kw)]
+    n_warm = cfg.max_num_seqs if cfg.warm_requests is None else cfg.warm_requests
+    L = cfg.prompt_tokens[1]
+    warm = [build_spec(-10 - k, "evict", rng, stream[len(stream) - (k + 1) * L: len(stream) - k * L], **kw)
+            for k in range(n_warm)] + [build_spec(-2, "chat_n", rng, [], **kw)]
     optout = build_spec(-3, "opt_out", rng, stream[: cfg.prompt_tokens[0]], **kw)
     return specs, {"warm": warm, "opt_out": optout}
 
@@ -318,9 +328,9 @@ def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float
     return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in COUNTERS}
 
 
-async def _rss_sampler(server: Server, samples: list[tuple[float, int]], stop: asyncio.Event) -> None:
+async def _rss_sampler(server: Server, samples: list[tuple[float, dict[str, int]]], stop: asyncio.Event) -> None:
     while not stop.is_set():
-        samples.append((time.monotonic(), server.rss_bytes()))
+        samples.append((time.monotonic(), server.rss_by_process()))
         try:
             await asyncio.wait_for(stop.wait(), 5)
         except asyncio.TimeoutError:
@@ -338,15 +348,15 @@ async def soak_phases(server: Server, cfg: SoakConfig, model: str) -> dict[str, 
         warm = await asyncio.gather(*(send(client, server.base, s) for s in extra["warm"]))
         _log(f"warm-up: {[(r.kind, r.status, r.ok) for r in warm]} in {time.monotonic() - t0:.1f} s")
         m0 = await wait_idle(client, server.base)
-        rss0 = server.rss_bytes()
-        samples: list[tuple[float, int]] = []
+        rss0 = server.rss_by_process()
+        samples: list[tuple[float, dict[str, int]]] = []
         stop = asyncio.Event()
         sampler = asyncio.create_task(_rss_sampler(server, samples, stop))
         t_run = time.monotonic()
         results = await open_loop(client, server.base, specs, cfg)
         run_s = time.monotonic() - t_run
         m1 = await wait_idle(client, server.base)
-        rss1 = server.rss_bytes()
+        rss1 = server.rss_by_process()
         stop.set()
         await sampler
         _log(f"open loop: {len(results)} requests in {run_s:.1f} s; replaying {cfg.replay} alone")
@@ -365,6 +375,21 @@ def _model_shape(model: str) -> tuple[int, int]:
     return int(c.num_hidden_layers), int(c.num_key_value_heads)
 
 
+def rss_trajectory(samples: list[tuple[float, dict[str, int]]], base: int) -> dict[str, Any]:
+    """Where the run's RSS growth happened: the tree's total at each quarter of the open loop (the median of the
+    samples in that quarter) as % over the after-warm-up baseline. A leak keeps climbing quarter after quarter;
+    an allocator's high-water mark (a larger batch or shape than the warm-up's) steps up and stays."""
+    if not samples or not base:
+        return {}
+    t0, t1 = samples[0][0], samples[-1][0]
+    span = max(t1 - t0, 1e-9)
+    quarters: list[float | None] = []
+    for q in range(4):
+        vals = sorted(sum(b.values()) for t, b in samples if q / 4 <= (t - t0) / span <= (q + 1) / 4)
+        quarters.append(round(100.0 * (vals[len(vals) // 2] - base) / base, 3) if vals else None)
+    return {"quarters_pct": quarters, "samples": len(samples), "interval_s": 5}
+
+
 def summarise(cfg: SoakConfig, ph: dict[str, Any], model: str, cmd: list[str], wall_s: float) -> dict[str, Any]:
     """The soak's JSON object: counts, figures, per-check verdicts."""
     results: list[Result] = ph["results"]
@@ -375,7 +400,8 @@ def summarise(cfg: SoakConfig, ph: dict[str, Any], model: str, cmd: list[str], w
     opt_delta = _delta(ph["m3"], ph["m2"]) if ph["optout"].ok else None
     checks = counter_verdicts(delta, bounds, s["invalid_sent"], opt_delta)
     m3 = ph["m3"]
-    rss0, rss1 = ph["rss"]
+    by0, by1 = ph["rss"]
+    rss0, rss1 = sum(by0.values()), sum(by1.values())
     pool = ({"total": m3["vtoken_kv_blocks_total"], "free": m3.get("vtoken_kv_blocks_free"),
              "held": m3.get("vtoken_kv_blocks_held")} if "vtoken_kv_blocks_total" in m3 else {})
     s.update({
@@ -390,8 +416,10 @@ def summarise(cfg: SoakConfig, ph: dict[str, Any], model: str, cmd: list[str], w
         "opt_out_phase_delta": opt_delta,
         "rss_bytes_after_warmup": rss0,
         "rss_bytes_end": rss1,
-        "rss_bytes_peak": max((b for _, b in ph["rss_samples"]), default=None),
+        "rss_bytes_peak": max((sum(b.values()) for _, b in ph["rss_samples"]), default=None),
         "rss_growth_pct": round(100.0 * (rss1 - rss0) / rss0, 3) if rss0 else None,
+        "rss_by_process": {"after_warmup": by0, "end": by1},
+        "rss_trajectory": rss_trajectory(ph["rss_samples"], rss0),
         "preemptions": ph["m1"].get("vllm:num_preemptions_total", 0) - ph["m0"].get("vllm:num_preemptions_total", 0),
         "run_seconds": round(ph["run_s"], 1),
         "wall_seconds": round(wall_s, 1),
@@ -405,7 +433,8 @@ def summarise(cfg: SoakConfig, ph: dict[str, Any], model: str, cmd: list[str], w
         "config": {"minutes": cfg.minutes, "max_requests": cfg.max_requests, "rate_rps": cfg.rate,
                    "prompt_tokens": list(cfg.prompt_tokens), "output_tokens": list(cfg.output_tokens),
                    "max_model_len": cfg.max_model_len, "kv_blocks": cfg.kv_blocks, "block_size": cfg.block_size,
-                   "max_num_seqs": cfg.max_num_seqs, "dtype": "float32", "policy": "h2o", "eviction_ratio": 0.5,
+                   "max_num_seqs": cfg.max_num_seqs, "warm_requests": len(ph["warm"]) - 1, "dtype": "float32",
+                   "policy": "h2o", "eviction_ratio": 0.5,
                    "enforce_eager": cfg.enforce_eager, "seed": cfg.seed},
     })
     s["checks"] = verdicts(s)

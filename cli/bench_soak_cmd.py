@@ -29,6 +29,9 @@ def bench_soak(
     replay: Annotated[int, typer.Option(min=0, help="completed greedy requests re-run alone at the end")] = 8,
     kv_blocks: Annotated[int, typer.Option(min=8, help="KV cache size in blocks")] = 256,
     max_num_seqs: Annotated[int, typer.Option(min=1)] = 8,
+    warm_requests: Annotated[int | None, typer.Option(min=0, help="concurrent longest-prompt evicting requests in "
+                                                                  "the warm-up, before the RSS baseline (default: "
+                                                                  "--max-num-seqs)")] = None,
     enforce_eager: Annotated[bool, typer.Option("--enforce-eager", help="no torch.compile (faster start)")] = False,
     seed: Annotated[int, typer.Option()] = 0,
     drain_timeout: Annotated[float, typer.Option(help="seconds to wait for in-flight requests")] = 600.0,
@@ -42,7 +45,7 @@ def bench_soak(
     cfg = SoakConfig(minutes=minutes, max_requests=max_requests, rate=rate,
                      prompt_tokens=_pair(prompt_tokens, "--prompt-tokens"),
                      output_tokens=_pair(output_tokens, "--output-tokens"), replay=replay, kv_blocks=kv_blocks,
-                     max_num_seqs=max_num_seqs, enforce_eager=enforce_eager, seed=seed,
+                     max_num_seqs=max_num_seqs, warm_requests=warm_requests, enforce_eager=enforce_eager, seed=seed,
                      drain_timeout_s=drain_timeout, log=server_log)
     try:
         out = run_soak(cfg)

@@ -18,6 +18,7 @@ err = Console(stderr=True)
 
 
 def evaluate(
+    ctx_: typer.Context,
     quick: Annotated[bool, typer.Option("--quick", help="1K context, 64 scored tokens, passkey at 2K")] = False,
     policies: Annotated[str, typer.Option(help="comma-separated shipped policies or policy files (*.py)")
                         ] = ",".join(ALL_POLICIES),
@@ -44,7 +45,10 @@ def evaluate(
                                                          "(mean log-perplexity difference, standard error, windows "
                                                          "lower); it must be among --policies")] = None,
 ) -> None:
-    """Quality under eviction: full cache vs each policy at each eviction ratio."""
+    """Quality under eviction: full cache vs each policy at each eviction ratio (perplexity, passkey).
+    Subcommands: ``ruler`` (RULER, vtoken and kvpress side by side), ``niah`` (needle heatmap)."""
+    if ctx_.invoked_subcommand is not None:
+        return
     from vtoken_bench.eval_quality import PROTOCOLS, paired, plot_eval, run_eval, write_json
     from vtoken_bench.md_tables import ppl_text
 

@@ -19,10 +19,19 @@ app.command("list")(list_policies)
 from .bench_cmd import bench_app  # noqa: E402
 from .compile_cmd import compile_policies  # noqa: E402
 from .eval_cmd import evaluate  # noqa: E402
+from .eval_niah_cmd import eval_niah  # noqa: E402
+from .eval_ruler_cmd import eval_ruler  # noqa: E402
+from .eval_ruler_serve_cmd import eval_ruler_serve  # noqa: E402
 from .serve_cmd import serve_server  # noqa: E402
 
 app.add_typer(bench_app, name="bench")
-app.command("eval")(evaluate)
+# `vtoken-cli eval` alone is the perplexity/passkey evaluation; `eval ruler` and `eval niah` are its subcommands.
+eval_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+eval_app.callback(invoke_without_command=True)(evaluate)
+eval_app.command("ruler")(eval_ruler)
+eval_app.command("ruler-serve")(eval_ruler_serve)
+eval_app.command("niah")(eval_niah)
+app.add_typer(eval_app, name="eval")
 app.command("compile")(compile_policies)
 app.command("serve", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(serve_server)
 

@@ -27,7 +27,7 @@ def test_one_minute_soak_passes_every_check(tmp_path: Path) -> None:
     out = tmp_path / "soak.json"
     cmd = [sys.executable, "-c", "from vtoken_cli.main import main; main()", "bench", "soak", "--minutes", "1",
            "--max-requests", "12", "--rate", "0.3", "--replay", "3", "--prompt-tokens", "1024,2048",
-           "--enforce-eager", "--json", str(out), "--server-log", str(tmp_path / "server.log")]
+           "--warm-requests", "2", "--enforce-eager", "--json", str(out), "--server-log", str(tmp_path / "server.log")]
     t0 = time.monotonic()
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     wall = time.monotonic() - t0
@@ -41,5 +41,7 @@ def test_one_minute_soak_passes_every_check(tmp_path: Path) -> None:
     assert got["completed"] == got["good"] > 0 and got["rejected_400"] == got["invalid_sent"] > 0
     assert got["kv_blocks"]["free"] == got["kv_blocks"]["total"] > 0 and got["kv_blocks"]["held"] == 0
     assert got["vtoken_counters_consistent"] is True and got["rss_growth_pct"] < 5
+    assert got["config"]["warm_requests"] == 2
+    assert len(got["rss_trajectory"]["quarters_pct"]) == 4 and got["rss_by_process"]["end"]
     assert "--dtype float32" in got["server_command"]
     print(f"soak wall time {wall:.0f} s")

@@ -1,0 +1,173 @@
+"""``vtoken-cli eval ruler`` (``vtoken_bench.ruler_eval``): RULER under eviction, vtoken beside kvpress.
+
+Fast: scoring rows, agreement, the mean table, the plot, and option errors (nothing runs).  Slow: our
+prompt ids equal kvpress's own ``preprocess`` (the peer), and a two-task run of the installed CLI with
+both engines whose shared methods give the same answers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from vtoken_bench import models
+from vtoken_bench.kvpress_check import PEER_PY
+from vtoken_bench.ruler_eval import (
+    FULL,
+    PEER_SCRIPT,
+    agreement,
+    mean_table,
+    plot_ruler,
+    prompt_ids,
+    score_rows,
+)
+from vtoken_bench.ruler_tasks import RulerSample
+from vtoken_cli.main import app
+
+runner = CliRunner()
+
+
+def _sample(task: str, index: int, answers: tuple[str, ...]) -> RulerSample:
+    return RulerSample(task=task, index=index, context="ctx ", question="What is the special magic number? ",
+                       answer_prefix="Answer:", answers=answers, max_new_tokens=8, length=100)
+
+
+SAMPLES = [_sample("niah_single_1", 0, ("1234",)), _sample("niah_single_1", 1, ("5678",)),
+           _sample("qa_1", 0, ("Paris", "paris, France"))]
+
+
+def _answers(engine: str, method: str, ratio: float, texts: list[str]) -> dict:
+    keys = ["niah_single_1/0", "niah_single_1/1", "qa_1/0"]
+    return {(engine, k, method, ratio): t for k, t in zip(keys, texts, strict=True)}
+
+
+def test_score_rows_per_task_and_mean() -> None:
+    ans = {**_answers("vtoken", FULL, 0.0, ["1234", "5678", "Paris"]),
+           **_answers("vtoken", "knorm", 0.5, ["1234", "no", "no"]),
+           **_answers("kvpress", "knorm", 0.5, ["1234", "no", "Paris"])}
+    rows = score_rows(SAMPLES, ans)
+    got = {(r["engine"], r["method"], r["ratio"], r["task"]): r["score"] for r in rows}
+    assert got[("vtoken", FULL, 0.0, "niah_single_1")] == 100.0
+    assert got[("vtoken", "knorm", 0.5, "niah_single_1")] == 50.0
+    assert got[("vtoken", "knorm", 0.5, "qa_1")] == 0.0
+    assert got[("vtoken", "knorm", 0.5, "mean")] == 25.0  # mean of the task scores, not of the samples
+    assert got[("kvpress", "knorm", 0.5, "mean")] == 75.0
+    assert set(rows[0]) == {"engine", "method", "ratio", "task", "score"}
+
+
+def test_score_rows_skip_a_configuration_missing_a_sample() -> None:
+    ans = _answers("vtoken", "knorm", 0.5, ["1234", "5678", "Paris"])
+    del ans[("vtoken", "qa_1/0", "knorm", 0.5)]
+    assert score_rows(SAMPLES, ans) == []
+
+
+def test_agreement_counts_identical_texts_and_names_the_rest() -> None:
+    ans = {**_answers("vtoken", "snapkv", 0.5, ["a", "b", "c"]), **_answers("kvpress", "snapkv", 0.5, ["a", "x", "c"]),
+           **_answers("vtoken", "h2o", 0.5, ["a", "b", "c"])}  # no press: no pair
+    (a,) = agreement(ans)
+    assert (a["method"], a["ratio"], a["samples"], a["identical"], a["differ"]) == (
+        "snapkv", 0.5, 3, 2, ["niah_single_1/1"])
+
+
+def test_mean_table_and_plot(tmp_path: Path) -> None:
+    rows = [{"engine": e, "method": m, "ratio": r, "task": "mean", "score": s}
+            for e, m, r, s in [("vtoken", FULL, 0.0, 90.0), ("vtoken", "knorm", 0.5, 60.0),
+                               ("vtoken", "knorm", 0.25, 80.0), ("kvpress", FULL, 0.0, 90.0),
+                               ("kvpress", "pyramidkv", 0.5, 70.0)]]
+    header, body = mean_table(rows)
+    assert header == ["engine", "method", "0 (full)", "0.25", "0.5", "mean over ratios"]
+    assert body == [["vtoken", "knorm", "90.0", "80.0", "60.0", "70.0"], ["kvpress", "pyramidkv", "90.0", "-", "70.0",
+                                                                          "70.0"]]
+    cfg = {"context_tokens": 2048, "samples_per_task": 1, "tasks": ["vt"], "model": "m"}
+    plot_ruler({"config": cfg, "rows": rows}, tmp_path / "r.png")
+    assert (tmp_path / "r.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--tasks", "niah_single_1,nope"], "--tasks nope"),
+    (["--engines", "vllm"], "--engines"),
+    (["--ratios", "0.5,1.0"], "--ratios"),
+    (["--ratios", "half"], "--ratios"),
+])
+def test_bad_options_exit_2_before_anything_runs(args: list[str], message: str, tmp_path: Path) -> None:
+    res = runner.invoke(app, ["eval", "ruler", *args, "--work-dir", str(tmp_path)])
+    assert res.exit_code == 2, res.output
+    assert message in res.stderr
+    assert not any(tmp_path.iterdir())  # nothing generated
+
+
+def test_unknown_policy_exits_1_naming_it(tmp_path: Path) -> None:
+    res = runner.invoke(app, ["eval", "ruler", "--policies", "no_such_policy", "--engines", "vtoken",
+                              "--work-dir", str(tmp_path)])
+    assert res.exit_code == 1, res.output
+    assert "no_such_policy" in res.stderr and "Traceback" not in res.output
+
+
+# --------------------------------------------------------------------------- slow: real samples, both engines
+
+needs_peer = pytest.mark.skipif(not PEER_PY.exists(), reason="run `make kvpress`")
+
+
+@pytest.mark.slow
+@needs_peer
+def test_prompt_ids_equal_kvpress_preprocess(tmp_path: Path) -> None:
+    """The ids both engines run are kvpress's own pipeline preprocessing (transformers 5.2 in the peer venv)
+    of the same RULER samples, on every task family."""
+    from transformers import AutoTokenizer
+
+    from vtoken_bench.ruler_tasks import generate_ruler
+
+    tok = AutoTokenizer.from_pretrained(str(models.smollm2_path()))
+    samples = generate_ruler(2048, 1, tasks=["niah_multivalue", "vt", "cwe", "fwe", "qa_1"], out_dir=tmp_path / "d")
+    spec = [{"key": f"{s.task}/{s.index}", "context": s.context, "question": s.question,
+             "answer_prefix": s.answer_prefix, "max_new_tokens": s.max_new_tokens, "context_ids": [],
+             "question_ids": []} for s in samples]
+    (tmp_path / "s.json").write_text(json.dumps(spec))
+    subprocess.run([str(PEER_PY), str(PEER_SCRIPT), "--model-dir", str(models.smollm2_path()), "--samples",
+                    str(tmp_path / "s.json"), "--out", str(tmp_path / "o.jsonl"), "--methods", "none", "--ratios",
+                    "0.5", "--dump-ids", str(tmp_path / "ids.json")], check=True, capture_output=True,
+                   env={"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin",
+                        "HOME": os.environ.get("HOME", "/root")})
+    theirs = json.loads((tmp_path / "ids.json").read_text())
+    for s in samples:
+        c, q = prompt_ids(tok, s)
+        t = theirs[f"{s.task}/{s.index}"]
+        assert (c, q) == (t["context_ids"], t["question_ids"]), s.task
+        assert len(c) > 1500 and 10 < len(q) < 200
+
+
+@pytest.mark.slow
+@needs_peer
+def test_cli_both_engines_same_answers_on_shared_methods(tmp_path: Path) -> None:
+    """The installed CLI, the way a user runs it: two tasks, full cache and two shared methods at 0.5,
+    both engines.  The kept sets of a shared method match kvpress's (``bench kvpress``), so the answers
+    must be the same text on every sample; the JSON follows the issue's schema."""
+    out = tmp_path / "r.json"
+    cli = Path(sys.executable).parent / "vtoken-cli"
+    res = subprocess.run([str(cli), "eval", "ruler", "--tasks", "niah_single_1,qa_1", "--samples", "1",
+                          "--policies", "knorm,snapkv", "--presses", "knorm,snapkv", "--ratios", "0.5",
+                          "--work-dir", str(tmp_path / "w"), "--json", str(out), "--plot", str(tmp_path / "r.png")],
+                         capture_output=True, text=True, timeout=900,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    d = json.loads(out.read_text())
+    assert set(d["config"]) >= {"context_tokens", "samples_per_task", "tasks", "model", "protocol"}
+    assert d["config"]["context_tokens"] == 2048 and d["config"]["tasks"] == ["niah_single_1", "qa_1"]
+    combos = {(r["engine"], r["method"], r["ratio"]) for r in d["rows"]}
+    assert combos == {(e, m, r) for e in ("vtoken", "kvpress")
+                      for m, r in ((FULL, 0.0), ("knorm", 0.5), ("snapkv", 0.5))}
+    assert all(set(r) == {"engine", "method", "ratio", "task", "score"} for r in d["rows"])
+    agree = {(a["method"], a["ratio"]): a for a in d["agreement"]}
+    assert set(agree) == {(FULL, 0.0), ("knorm", 0.5), ("snapkv", 0.5)}
+    for a in agree.values():
+        assert a["identical"] == a["samples"] == 2, a
+    full = {r["task"]: r["score"] for r in d["rows"] if r["method"] == FULL and r["engine"] == "vtoken"}
+    assert full["niah_single_1"] == 100.0  # the full cache finds the needle at 2K
+    assert "same answer text, vtoken vs kvpress, snapkv@0.5: 2/2" in res.stdout
+    assert (tmp_path / "r.png").stat().st_size > 10_000
