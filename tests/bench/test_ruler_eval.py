@@ -139,7 +139,7 @@ def test_prompt_ids_equal_kvpress_preprocess(tmp_path: Path) -> None:
         c, q = prompt_ids(tok, s)
         t = theirs[f"{s.task}/{s.index}"]
         assert (c, q) == (t["context_ids"], t["question_ids"]), s.task
-        assert len(c) > 1500 and 10 < len(q) < 200
+        assert len(c) > 1000 and 10 < len(q) < 200  # cwe/fwe contexts are shorter than niah's
 
 
 @pytest.mark.slow
