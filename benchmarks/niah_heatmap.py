@@ -14,7 +14,7 @@ eviction and forked into one request per method; every policy then evicts once (
 after the eviction and is never compressed, nor are the answer's tokens (greedy, ``decode(...,
 evict=False)``). Policies are the shipped ones (``vtoken_policies.load``), expected_attention with
 kvpress's observation window (:func:`vtoken_bench.kvpress_check.vtoken_policy`). The forks of one prompt
-run as one batch. Score of a sample: 1 if the decoded answer contains the passkey's digits, else 0; a
+run as one batch (:func:`vtoken_bench.fork_answers.answer_forks`). Score of a sample: 1 if the decoded answer contains the passkey's digits, else 0; a
 cell's score is the mean over ``samples``.
 
 Samples: sample ``k`` of a cell takes its filler from a seeded offset into the essay stream (the same
@@ -169,39 +169,15 @@ def _configure(grid: NiahGrid, n: int) -> _Methods:
 def run_prompt(model: Any, tok: Any, prompt: Any, grid: NiahGrid) -> dict[str, str]:
     """Every method on one prompt: shared prefill, one fork per method, eviction, question, greedy
     answer (stops early once every answer holds the passkey). Returns ``{method: answer text}``."""
-    from vtoken_runtime.hf_adapter import HFSession, cdiv
+    from .fork_answers import Fork, answer_forks
 
     ctx, question = list(prompt.context_ids), list(prompt.question_ids)
-    n = len(ctx)
-    m = _configure(grid, n)
-    methods = grid.methods
-    pols = list(m.policies.values())
-    per_req = cdiv(n + len(question) + grid.answer_tokens, 16) + 2
-    s = HFSession(model, block_size=16, num_blocks=(len(methods) + 1) * per_req + 8, granularity="head",
-                  max_requests=len(methods) + 1, chunk_size=grid.chunk_size, policies=pols)
-    try:
-        s.add("base", None)
-        s.prefill(["base"], [ctx], evict=False)
-        for k in methods:
-            s.fork("base", k, m.policies.get(k), budget=m.budgets.get(k))
-        s.free("base")
-        s.evict(list(methods), "prefill")  # the policies compress the context once; ends every prompt
-        failed = {k: s.requests[k].failures for k in grid.policies if s.requests[k].failures}
-        if failed:
-            raise RuntimeError(f"policy eviction failed (fell back to no eviction): {failed}")
-        logits = s.forward(list(methods), [question] * len(methods))
-        outs: list[list[int]] = [[] for _ in methods]
-        key = str(prompt.passkey)
-        for step in range(grid.answer_tokens):
-            nxt = logits.argmax(-1).tolist()
-            for o, t in zip(outs, nxt, strict=True):
-                o.append(int(t))
-            if step == grid.answer_tokens - 1 or all(key in tok.decode(o) for o in outs):
-                break
-            logits = s.decode(list(methods), nxt, evict=False)
-    finally:
-        s.cache.close()
-    return {k: tok.decode(o) for k, o in zip(methods, outs, strict=True)}
+    m = _configure(grid, len(ctx))
+    key = str(prompt.passkey)
+    forks = [Fork(k, m.policies.get(k), m.budgets.get(k)) for k in grid.methods]
+    ids = answer_forks(model, ctx, question, forks, grid.answer_tokens, group=len(forks),
+                       chunk_size=grid.chunk_size, done=lambda gen: all(key in tok.decode(o) for o in gen.values()))
+    return {k: tok.decode(ids[k]) for k in grid.methods}
 
 
 def run_niah(grid: NiahGrid, *, model: Any = None, tok: Any = None, progress: Any = None,

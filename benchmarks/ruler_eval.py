@@ -14,11 +14,11 @@ own scorer (:func:`~vtoken_bench.ruler_tasks.score_ruler`, 0-100).
 
 Engines:
 
-* ``vtoken``: the in-process HF path (:class:`~vtoken_runtime.hf_adapter.HFSession`).  Per sample: one
-  prefill of the context (request ``base``, no eviction), then per group of ``max_configs``
-  configurations a :meth:`~vtoken_runtime.hf_adapter.HFSession.fork` of it with the configuration's
-  policy and budget, one eviction (phase ``prefill``), the question as one batched forward and the
-  answers decoded as one batch (rows leave the batch at EOS).  Shared methods are configured as
+* ``vtoken``: the in-process HF path (:class:`~vtoken_runtime.hf_adapter.HFSession`) through
+  :func:`~vtoken_bench.fork_answers.answer_forks`.  Per sample: one prefill of the context (request
+  ``base``, no eviction), then per group of ``max_configs`` configurations a fork of it with the
+  configuration's policy and budget, one eviction (phase ``prefill``), the question as one batched
+  forward and the answers decoded as one batch (rows leave the batch at EOS).  Shared methods are configured as
   :func:`~vtoken_bench.kvpress_check.vtoken_policy` does (ExpectedAttention's statistics over every
   context query but the 4 sinks).
 * ``kvpress``: kvpress 0.5.5's own pipeline (``preprocess`` + ``_forward``) in ``.venv-kvpress``
@@ -119,58 +119,19 @@ def run_vtoken_sample(model: Any, tokenizer: Any, context: list[int], question: 
     """Answers of every ``(method, ratio)`` configuration for one sample (``method`` :data:`FULL` or a
     shipped policy name / policy file), one shared prefill; see the module docstring."""
     from vtoken_bench.experiments import load_named_policy
-    from vtoken_runtime.hf_adapter import HFSession
 
-    n, q = len(context), len(question)
-    pols: dict[tuple[str, float], Any] = {}
+    from .fork_answers import Fork, answer_forks
+
+    n = len(context)
+    forks = []
     for m, r in configs:
         if m == FULL:
-            pols[(m, r)] = None
-        elif m in SHARED:
-            pols[(m, r)] = vtoken_policy(m, m, n)
-        else:
-            pols[(m, r)] = load_named_policy(m)
-    distinct = list({id(p): p for p in pols.values() if p is not None}.values())
-    per_req = -(-(n + q + max_new_tokens) // 16) + 1
-    group = max(1, min(max_configs, len(configs)))
-    s = HFSession(model, block_size=16, num_blocks=per_req * (group + 1) + 8, granularity="head",
-                  max_requests=group + 2, chunk_size=max(n, 1), policies=distinct)
-    answers: dict[tuple[str, float], str] = {}
-    try:
-        s.add("base", None)
-        s.prefill(["base"], [context], evict=False)
-        stop = set(int(t) for t in eos_ids)
-        for g in range(0, len(configs), group):
-            chunk = list(configs[g: g + group])
-            ids = [f"c{g + i}" for i in range(len(chunk))]
-            for rid, (m, r) in zip(ids, chunk, strict=True):
-                p = pols[(m, r)]
-                budget = None if p is None else kvpress_budget(m if m == "chunkkv" else "knorm", n, r)
-                s.fork("base", rid, p, budget)
-            s.evict(ids, "prefill")
-            logits = s.forward(ids, [question] * len(ids))
-            gen: dict[str, list[int]] = {rid: [] for rid in ids}
-            active = list(ids)
-            for step in range(max_new_tokens):
-                nxt = logits.argmax(-1).tolist()
-                still = []
-                for rid, t in zip(active, nxt, strict=True):
-                    gen[rid].append(int(t))
-                    if int(t) not in stop:
-                        still.append((rid, int(t)))
-                if step == max_new_tokens - 1 or not still:
-                    break
-                active = [rid for rid, _ in still]
-                logits = s.decode(active, [t for _, t in still], evict=False)
-            for rid, cfg in zip(ids, chunk, strict=True):
-                failures = s.requests[rid].failures
-                if failures:
-                    raise RuntimeError(f"{cfg[0]}@{cfg[1]}: the policy failed at run time: {failures}")
-                answers[cfg] = tokenizer.decode(gen[rid], skip_special_tokens=True)
-                s.free(rid)
-    finally:
-        s.cache.close()
-    return answers
+            forks.append(Fork((m, r), None))
+            continue
+        p = vtoken_policy(m, m, n) if m in SHARED else load_named_policy(m)
+        forks.append(Fork((m, r), p, kvpress_budget(m if m == "chunkkv" else "knorm", n, r)))
+    ids = answer_forks(model, context, question, forks, max_new_tokens, eos_ids=eos_ids, group=max_configs)
+    return {cfg: tokenizer.decode(ids[cfg], skip_special_tokens=True) for cfg in configs}
 
 
 # --------------------------------------------------------------------------- kvpress engine

@@ -54,6 +54,7 @@ from vtoken_sdk.stats import ATTENTION_STATS, KVCACHE_STATS, QUERY_STATS
 
 from .collector import StepContext, VTokenAttentionImpl, build_step_index
 from .config import PluginConfig, RequestOptions, describe_policy, request_options
+from .heap import HeapTrimmer
 from .metrics import record_step
 from .report import Truncation
 from .step_inputs import place_new_tokens, true_positions
@@ -109,6 +110,7 @@ class VTokenRunnerMixin:
         self._vt_n_sched: dict[str, int] = {}
         self.vtoken_trace: dict[str, list[tuple[int, int, np.ndarray]]] | None = None
         self._vt_times = {"prepare_seconds": 0.0, "steps": 0}
+        self._vt_heap = HeapTrimmer()  # RSS stays at the working set over a long run (see .heap)
         self._vt_rank = 0
         # pinned host -> device lengths; overwritten only after the step's sampling has synchronised
         self._vt_seq_lens = self._make_buffer(self.max_num_reqs, dtype=torch.int32)
@@ -117,7 +119,8 @@ class VTokenRunnerMixin:
     def vtoken_counters(self) -> dict[str, float]:
         """Eviction counters of this worker (the driver's) plus input-preparation time and steps."""
         base = dict(self._vt_driver.counters) if self._vt_driver is not None else {}
-        return {**base, **self._vt_times}
+        heap = {"heap_trims": self._vt_heap.trims, "heap_trim_seconds": self._vt_heap.seconds}
+        return {**base, **self._vt_times, **heap}
 
     def initialize_kv_cache(self, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
         super().initialize_kv_cache(kv_cache_config, *args, **kwargs)  # type: ignore[misc]
@@ -307,6 +310,7 @@ class VTokenRunnerMixin:
                 self._vt_opts.pop(rid, None)
                 self._vt_n_sched.pop(rid, None)
                 self._vt_driver.remove(rid)
+        self._vt_heap.maybe_trim(bool(scheduler_output.finished_req_ids))
         return super()._update_states(scheduler_output)  # type: ignore[misc]
 
     def _prepare_inputs(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> Any:
