@@ -1,0 +1,185 @@
+"""How a request's budget is shared among its (layer, KV head) rows: the counts step of unequal budgets.
+
+Step 1 of issue 38 (design: docs/decisions.md, decision 8). Not yet wired into ``@vt.policy`` or the runtime,
+which keep decision 4's equal counts; this module is the reference the rest will be tested against.
+
+Selection with an allocation is two steps, both exact and deterministic:
+
+1. :func:`allocate_counts` gives every row its count ``[B, L, H]``;
+2. :func:`select_counts` keeps, in every row, its ``count`` largest composite keys: the contract of
+   :mod:`vtoken_sdk.selection` (pins first, then scores, NaN as -inf, ties to the more recent token) with a
+   per-row count instead of one count per request.
+
+Allocations (``budget`` below is the uniform share of a row, ``k = min(length, budget)``):
+
+* :class:`Uniform`: every row keeps ``max(k, pins of its request's fullest row)``, today's rule.
+* :class:`AdaptiveLayer` (AdaKV; kvpress ``AdaKVPress(press, alpha_safeguard=floor)``): a layer keeps
+  ``H x k`` tokens; each row first keeps its own top ``max(1, int(k x floor))`` (and all its pins), the rest
+  of the layer's total goes to the highest keys of all its rows. Ties between rows go to the lower head::
+
+      layer l, H = 2, k = 4, floor 0.25 -> 1 lifted per row, 8 kept in the layer
+      row h0 keys  9 8 7 6 2 1      lifted: 9         kept: 9 8 7 6 2   (5)
+      row h1 keys  5 4 3 0 0 0      lifted: 5         kept: 5 4 3       (3)
+                   layer top 8 after the lifted two: 9 5 | 8 7 6 4 3 2
+
+  Pins beyond the layer's total are all kept (the total grows; the overflow is reported as in the
+  uniform case).
+* :class:`LayerSchedule`: layer ``l`` keeps ``counts[l]`` per head, ``counts`` apportioned from ``weights``
+  by largest remainder so that ``sum_l H x counts[l] == L x H x k`` exactly (a row never keeps more than
+  the length; what a full layer cannot take is not moved to another).
+
+Shapes: ``scores [B, L, H, N]`` float, ``lengths [B]`` int, ``pins [B, L, H, N]`` bool (broadcastable),
+``budget [B]`` int (tokens per row at uniform allocation).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from torch import Tensor
+
+from .selection import _INVALID, _PIN_KEY, _keep_top_k_sorted, ordered_key
+
+__all__ = ["AdaptiveLayer", "Allocation", "LayerSchedule", "Uniform", "allocate_counts", "composite_keys",
+           "layer_counts", "select_counts"]
+
+
+class Uniform(BaseModel):
+    """Every (layer, KV head) row keeps the same number of tokens (decision 4; the default)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    kind: Literal["uniform"] = "uniform"
+
+
+class AdaptiveLayer(BaseModel):
+    """AdaKV: a layer's budget goes to the highest scores of all its heads, each head keeping at least
+    ``max(1, int(floor x budget))`` of its own."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    kind: Literal["adaptive_layer"] = "adaptive_layer"
+    floor: Annotated[float, Field(ge=0.0, le=1.0)] = 0.2
+
+
+class LayerSchedule(BaseModel):
+    """Per-layer counts in proportion to ``weights`` (one per layer, >= 0, not all 0), the same for every
+    head of a layer; :meth:`linear` is PyramidKV's shape (more to the lower layers)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    kind: Literal["layer_schedule"] = "layer_schedule"
+    weights: tuple[float, ...]
+
+    @field_validator("weights")
+    @classmethod
+    def _check(cls, w: tuple[float, ...]) -> tuple[float, ...]:
+        if not w:
+            raise ValueError("got weights=(), expected one weight per layer")
+        if any(not (x >= 0.0) or x == float("inf") for x in w):
+            raise ValueError(f"got weights={w}, expected finite numbers >= 0 (e.g. LayerSchedule.linear(30))")
+        if sum(w) <= 0.0:
+            raise ValueError("got weights that are all 0, expected at least one > 0")
+        return w
+
+    @classmethod
+    def linear(cls, num_layers: int, ratio: float = 20.0) -> LayerSchedule:
+        """A straight line from ``ratio`` (layer 0) down to 1 (the last layer): PyramidKV's pyramid with
+        ``beta = ratio`` in shape (kvpress's ``get_layer_budget`` also reserves its observation window)."""
+        if num_layers < 1:
+            raise ValueError(f"got num_layers={num_layers}, expected >= 1")
+        if not ratio >= 1.0:
+            raise ValueError(f"got ratio={ratio}, expected >= 1 (1: uniform)")
+        if num_layers == 1:
+            return cls(weights=(1.0,))
+        return cls(weights=tuple(ratio - (ratio - 1.0) * i / (num_layers - 1) for i in range(num_layers)))
+
+
+Allocation = Uniform | AdaptiveLayer | LayerSchedule
+
+
+def composite_keys(scores: Tensor, lengths: Tensor, pins: Tensor) -> Tensor:
+    """int64 keys ``[..., N]`` of the selection contract: larger = keep, unique within a row, pins above
+    every score, padding (``n >= lengths[b]``) below everything. ``scores [B, ..., N]``."""
+    n = scores.shape[-1]
+    idx = torch.arange(n, device=scores.device, dtype=torch.int64)
+    shape = (scores.shape[0],) + (1,) * (scores.dim() - 1)
+    valid = idx < lengths.to(torch.int64).view(shape)
+    comp = ordered_key(scores).to(torch.int64) * 2**32 + idx
+    comp = torch.where(pins.expand_as(scores) & valid, _PIN_KEY + idx, comp)
+    return torch.where(valid, comp, torch.full_like(comp, _INVALID))
+
+
+def layer_counts(schedule: LayerSchedule, num_layers: int, k: int) -> list[int]:
+    """Per-layer counts of ``schedule`` for a uniform share ``k`` (each <= ``k``'s length cap is the
+    caller's): ``sum == num_layers x k`` exactly, by largest remainder (ties to the lower layer)."""
+    w = schedule.weights
+    if len(w) != num_layers:
+        raise ValueError(f"got {len(w)} weights, expected one per layer ({num_layers})")
+    total = num_layers * k
+    s = sum(w)
+    exact = [total * x / s for x in w]
+    base = [int(e) for e in exact]
+    left = total - sum(base)
+    order = sorted(range(num_layers), key=lambda i: (-(exact[i] - base[i]), i))
+    for i in order[:left]:
+        base[i] += 1
+    return base
+
+
+def allocate_counts(scores: Tensor, lengths: Tensor, pins: Tensor, budget: Tensor,
+                    allocation: Allocation) -> tuple[Tensor, Tensor]:
+    """``(counts [B, L, H] int64, pin_overflow [B] int64)``: ``pin_overflow`` is how many tokens the request
+    keeps beyond its total budget ``L x H x min(length, budget)`` because of its pins (module doc)."""
+    if scores.dim() != 4:
+        raise ValueError(f"got scores of shape {tuple(scores.shape)}, expected [B, L, H, N]")
+    b, nl, h, n = scores.shape
+    lengths = lengths.to(torch.int64)
+    pins = pins.expand(b, nl, h, n)
+    idx = torch.arange(n, device=scores.device)
+    valid = idx < lengths[:, None, None, None]
+    npins = (pins & valid).sum(-1)  # [B, L, H]
+    k = torch.minimum(lengths, budget.to(torch.int64).clamp(min=0))  # [B]
+    if isinstance(allocation, Uniform):
+        kk = torch.maximum(k, npins.flatten(1).amax(1) if nl * h else k)
+        counts = torch.minimum(kk, lengths)[:, None, None].expand(b, nl, h).clone()
+        return counts, nl * h * (kk - k).clamp(min=0)
+    if isinstance(allocation, LayerSchedule):
+        counts = torch.empty(b, nl, h, dtype=torch.int64, device=scores.device)
+        for i in range(b):
+            per = torch.tensor(layer_counts(allocation, nl, int(k[i])), dtype=torch.int64, device=scores.device)
+            counts[i] = torch.minimum(torch.maximum(per[:, None], npins[i]), lengths[i])
+        over = (counts.sum((1, 2)) - nl * h * k).clamp(min=0)
+        return counts, over
+    if isinstance(allocation, AdaptiveLayer):
+        comp = composite_keys(scores, lengths, pins)  # [B, L, H, N]
+        safe = (k.to(torch.float64) * allocation.floor).to(torch.int64)
+        safe = torch.where((k > 0) & (allocation.floor > 0), safe.clamp(min=1), torch.zeros_like(safe))
+        lifted_n = torch.minimum(torch.maximum(safe[:, None, None], npins), lengths[:, None, None])  # [B, L, H]
+        # rank of every entry inside its row, by composite key (pins first): the top lifted_n are lifted
+        order = torch.argsort(comp, dim=-1, descending=True, stable=True)
+        rank = torch.empty_like(order)
+        rank.scatter_(-1, order, idx.to(torch.int64).expand(b, nl, h, n).contiguous())
+        lifted = (rank < lifted_n[..., None]) & valid
+        total = torch.maximum(h * k[:, None], lifted_n.sum(-1))  # [B, L]
+        # the layer's order: lifted first, then the composite key, then the lower head
+        flat_comp = comp.reshape(b, nl, h * n)
+        flat_lift = lifted.reshape(b, nl, h * n)
+        o1 = torch.argsort(flat_comp, dim=-1, descending=True, stable=True)  # ties: the lower head first
+        o2 = torch.argsort(torch.gather(flat_lift, -1, o1).to(torch.int8), dim=-1, descending=True, stable=True)
+        order_l = torch.gather(o1, -1, o2)  # [B, L, H*N] flat indices, best first
+        taken = torch.arange(h * n, device=scores.device) < total[..., None]
+        rows = torch.div(order_l, n, rounding_mode="floor")
+        counts = torch.zeros(b, nl, h, dtype=torch.int64, device=scores.device)
+        counts.scatter_add_(-1, rows, taken.to(torch.int64))
+        return counts, (total.sum(-1) - nl * h * k).clamp(min=0)
+    raise TypeError(f"got allocation {allocation!r}, expected Uniform(), AdaptiveLayer(...) or LayerSchedule(...)")
+
+
+def select_counts(scores: Tensor, lengths: Tensor, pins: Tensor, counts: Tensor) -> Tensor:
+    """Keep mask ``[B, L, H, N]``: in every row its ``counts[b, l, h]`` largest composite keys (pins first).
+    A count above a row's length keeps the whole row; padding is never kept."""
+    b, nl, h, n = scores.shape
+    comp = composite_keys(scores, lengths, pins.expand(b, nl, h, n))
+    keep = _keep_top_k_sorted(comp.reshape(b * nl * h, 1, n), counts.reshape(-1).to(torch.int64))
+    valid = torch.arange(n, device=scores.device) < lengths.to(torch.int64)[:, None, None, None]
+    return keep.reshape(b, nl, h, n) & valid
