@@ -67,7 +67,7 @@ KVPRESS_METHODS: tuple[str, ...] = (*SHARED, "lagkv", "ada_expected_attention", 
 
 @dataclass(frozen=True)
 class QuickSubset:
-    """What ``--quick`` runs (about 10 minutes here)."""
+    """What ``--quick`` runs: 14.4 min on a clean clone of this 2-core machine with CI beside it (docs/benchmarks.md)."""
 
     tasks: tuple[str, ...] = ("niah_single_1", "niah_multikey_1", "vt", "qa_1")
     samples: int = 1

@@ -34,7 +34,7 @@ def _ensure_kvpress() -> None:
 
 def eval_ruler(
     quick: Annotated[bool, typer.Option("--quick", help="4 tasks (niah_single_1, niah_multikey_1, vt, qa_1) x 1 "
-                                                        "sample, 5 policies, 5 presses: about 10 minutes")] = False,
+                                                        "sample, 5 policies, 5 presses, 5 ratios: about 15 minutes")] = False,
     context_tokens: Annotated[int, typer.Option(min=2048, help="RULER max_seq_length (input + answer tokens); "
                                                               "SmolLM2-135M's full cache scores ~30 at 2K and 4K")
                               ] = 2048,
