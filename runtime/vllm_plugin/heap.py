@@ -17,12 +17,9 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import logging
 import os
 import time
 from collections.abc import Callable
-
-log = logging.getLogger("vtoken.vllm")
 
 DEFAULT_INTERVAL_S = 10.0
 ENV = "VTOKEN_MALLOC_TRIM_S"
@@ -48,8 +45,8 @@ def interval_from_env(default: float = DEFAULT_INTERVAL_S) -> float:
     try:
         v = float(raw)
     except ValueError:
-        raise ValueError(f"vtoken: {ENV}={raw!r}: expected seconds (a number >= 0; 0 turns trimming off)") from None
-    if v < 0 or v != v:
+        v = float("nan")
+    if not v >= 0:  # not a number, NaN or negative
         raise ValueError(f"vtoken: {ENV}={raw!r}: expected seconds (a number >= 0; 0 turns trimming off)")
     return v
 
