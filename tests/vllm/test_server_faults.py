@@ -42,6 +42,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 EXIT_S = 30  # the server must be gone this long after a fault
 CLIENT_S = 60  # and every client call must have returned by then
+GRACE_S = 2  # a call that completes this soon after a SIGKILL had its last token before it
 LONG_FROM = 200  # the flaky policy raises for a request that has processed this many tokens
 
 
@@ -80,8 +81,8 @@ def _tiny_args(model: Path, tp: int) -> list[str]:
 
 
 class Load:
-    """``n`` long completions posted from threads; ``results`` holds ``(status, seconds)`` per call (status 0:
-    the connection failed or timed out)."""
+    """``n`` long completions posted from threads; ``results`` holds ``(status, seconds, ended)`` per call
+    (status 0: the connection failed or timed out; ``ended``: ``time.monotonic()`` when the call returned)."""
 
     def __init__(self, srv: Server, n: int, max_tokens: int) -> None:
         self.srv, self.results = srv, []
@@ -97,7 +98,8 @@ class Load:
             code, _ = _post(self.srv.base + "/v1/completions", self.body, timeout=CLIENT_S)
         except (OSError, ValueError):  # refused, reset, timed out; or an error body that is not JSON
             code = 0
-        self.results.append((code, time.monotonic() - t0))
+        t1 = time.monotonic()
+        self.results.append((code, t1 - t0, t1))
 
     def wait_running(self, timeout: float = 60) -> None:
         """Returns once the engine runs at least one of the requests (they hold KV blocks)."""
@@ -106,7 +108,7 @@ class Load:
             assert time.monotonic() < deadline, "the load never started running"
             time.sleep(0.2)
 
-    def join(self) -> list[tuple[int, float]]:
+    def join(self) -> list[tuple[int, float, float]]:
         for t in self.threads:
             t.join(CLIENT_S + 5)
         assert not any(t.is_alive() for t in self.threads), "a client call hung"
@@ -138,18 +140,26 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _kill_while_serving(srv: Server, victim: Callable[[dict[int, str]], int]) -> list[tuple[int, float]]:
+def _kill_while_serving(srv: Server, victim: Callable[[dict[int, str]], int]) -> list[tuple[int, float, float]]:
     """SIGKILL the process ``victim`` picks from the session's processes while requests are in flight; checks
-    that every call returned an error within the bound, that the server exited non-zero within ``EXIT_S``
-    and left nothing behind; returns the calls' results."""
+    that every call still in flight at the kill returned an error within the bound (a call that completed
+    before the kill must be a 200; at least one must have been in flight), that the server exited non-zero
+    within ``EXIT_S`` and left nothing behind; returns the calls' results."""
     load = Load(srv, 3, 400)
     load.wait_running()
     procs = session_processes(srv.proc.pid)
     pid = victim(procs)
+    killed_at = time.monotonic()
     os.kill(pid, signal.SIGKILL)
     results = load.join()
-    assert len(results) == 3 and all(code >= 500 or code == 0 for code, _ in results), results
-    assert all(s < CLIENT_S for _, s in results), results
+    assert len(results) == 3, results
+    # a tiny model may complete a call before the kill (or send its response just as it lands): a 200 is
+    # allowed only up to GRACE_S after the kill; every other call must be an error, and one at least
+    done = [code for code, _, ended in results if ended < killed_at + GRACE_S]
+    failed = [code for code, _, ended in results if ended >= killed_at + GRACE_S or code != 200]
+    assert all(code == 200 or code >= 500 or code == 0 for code in done), results
+    assert failed and all(code >= 500 or code == 0 for code in failed), results
+    assert all(s < CLIENT_S for _, s, _ in results), results
     _gone_within(srv, procs, EXIT_S)
     assert srv.proc.returncode != 0, f"exit status {srv.proc.returncode} after the engine died"
     assert not _prometheus_dir(srv).exists()
@@ -261,8 +271,8 @@ def test_sigterm_under_load_finishes_or_fails_every_request_and_leaves_nothing(f
     os.kill(srv.proc.pid, signal.SIGTERM)  # the main process only, as systemd or docker stop does
     took = _gone_within(srv, procs, EXIT_S)
     results = load.join()
-    assert len(results) == 4 and all(s < CLIENT_S for _, s in results), results
-    assert all(code in (200, 0) or code >= 500 for code, _ in results), results
+    assert len(results) == 4 and all(s < CLIENT_S for _, s, _ in results), results
+    assert all(code in (200, 0) or code >= 500 for code, _, _ in results), results
     assert srv.proc.returncode == 0, srv.proc.returncode
     assert not _prometheus_dir(srv).exists()
     assert took < EXIT_S
