@@ -33,11 +33,17 @@ class Config:
 
 def load_named_policy(name: str) -> Any:
     """A shipped policy by name, or the policy defined in a policy file (``name`` ending in ``.py``; the file
-    must define exactly one). A bad file raises ``ValueError`` with the loader's file:line message."""
+    must define exactly one), for the benchmarks that run the HF session. A bad file raises ``ValueError``
+    with the loader's file:line message; so does a policy with unequal allocation, which the session refuses
+    (``vtoken_runtime.eviction.refuse_unequal``), before anything runs."""
+    from vtoken_runtime.eviction import refuse_unequal
+
     if not name.endswith(".py"):
         import vtoken_policies
 
-        return vtoken_policies.load(name)
+        pol = vtoken_policies.load(name)
+        refuse_unequal(pol)
+        return pol
     from vtoken_sdk.loader import load_policy_file
 
     lf = load_policy_file(name)
@@ -46,6 +52,7 @@ def load_named_policy(name: str) -> Any:
     if len(lf.policies) != 1:
         raise ValueError(f"{name}: defines {len(lf.policies)} policies ({', '.join(p.name for p in lf.policies)}); "
                          "expected one per file")
+    refuse_unequal(lf.policies[0])
     return lf.policies[0]
 
 

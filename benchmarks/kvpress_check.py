@@ -26,9 +26,21 @@ chunkkv             chunkkv (SnapKV score, chunks of 20)      budget = kvpress's
                                                               ``int(n_chunks * (1 - r))``, the last
                                                               (partial, in the window) included
 cur                 cur (kv_product, windows 16, sinks 4)     identical definition (norms squared)
+ada_snapkv          ada_snapkv (snapkv + AdaptiveLayer 0.2)   ``AdaKVPress(SnapKVPress())``; kvpress
+                                                              masks (sdpa), kept = not masked
+ada_expected_       ada_expected_attention (EA + 1e-2,        ``AdaKVPress(ExpectedAttentionPress(
+attention           AdaptiveLayer 0.2)                        epsilon=1e-2))``, the leaderboard's
+pyramidkv           pyramidkv (snapkv + Pyramid(20, 64))      ``PyramidKVPress()``; the context is cut
+                                                              to a length whose share ``n x (1 - r)``
+                                                              is whole (``whole_share``)
 lagkv               none                                      not expressible (``LAGKV_WHY``); the
                                                               peer runs, there is no pair
 ==================  ========================================  =======================================
+
+The unequal-budget pairs (``UNEQUAL``) compare kept sets only: the HF session refuses them until per-row
+pages exist (docs/decisions.md, decision 8), so vtoken's side is the policy's keep mask over the session's
+statistics after an uncompressed prefill, and no greedy text is compared (``greedy_equal: None``, shown as
+SKIP).
 """
 
 from __future__ import annotations
@@ -46,8 +58,11 @@ PEER_SCRIPT = Path(__file__).resolve().parent / "kvpress_peer.py"  # ships with 
 # (vtoken policy, kvpress press) pairs, in the order of the report
 PAIRS = (("knorm", "knorm"), ("streaming_llm", "streaming_llm"), ("snapkv", "snapkv"), ("tova", "tova"),
          ("observed_attention", "observed_attention"), ("keydiff", "keydiff"),
-         ("expected_attention", "expected_attention"), ("chunkkv", "chunkkv"), ("cur", "cur"))
+         ("expected_attention", "expected_attention"), ("chunkkv", "chunkkv"), ("cur", "cur"),
+         ("ada_snapkv", "ada_snapkv"), ("ada_expected_attention", "ada_expected_attention"),
+         ("pyramidkv", "pyramidkv"))
 PRESSES = tuple(press for _, press in PAIRS)
+UNEQUAL = ("ada_snapkv", "ada_expected_attention", "pyramidkv")  # kept sets compared, no greedy text (doc)
 CHUNK_LENGTH, SNAP_WINDOW, EA_SINKS = 20, 64, 4  # kvpress defaults (ChunkKVPress, SnapKVPress, ExpectedAttention)
 LAGKV_WHY = ("LagKVPress ranks each token within its 128-token partition (argsort of a softmax over the "
              "partition) by min/max statistics of the *next* partition, partitions aligned after the 4 sinks: "
@@ -88,9 +103,40 @@ def vtoken_policy(policy_name: str, press: str, n: int) -> Any:
     import vtoken_policies
 
     policy = vtoken_policies.load(policy_name)
-    if press == "expected_attention":  # kvpress: statistics of every prompt query but the n_sink first
+    if press in ("expected_attention", "ada_expected_attention"):  # kvpress: every prompt query but the sinks
         policy = policy.configure(stats=policy.spec.stats.model_copy(update={"obs_window": max(1, n - EA_SINKS)}))
     return policy
+
+
+def whole_share(n: int, ratio: float) -> int:
+    """The longest length ``m <= n`` whose share ``m x (1 - ratio)`` is a whole number: there PyramidKV's
+    layer budgets from kvpress's float share and from vtoken's whole tokens agree (``vt.Pyramid``)."""
+    for m in range(n, 0, -1):
+        x = m * (1.0 - ratio)
+        if x == int(x):
+            return m
+    return n
+
+
+def keep_sets_unequal(model: Any, policy: Any, context: list[int], budget: int) -> list[list[list[int]]]:
+    """Kept positions ``[layer][kv_head]`` of a policy with unequal allocation after a one-chunk prefill of
+    ``context``: its keep mask over the HF session's statistics (the session runs the same policy with
+    uniform allocation to collect them and evicts nothing)."""
+    import vtoken_sdk as vt
+    from vtoken_runtime.hf_adapter import HFSession
+
+    n = len(context)
+    s = HFSession(model, block_size=16, num_blocks=-(-n // 16) + 4, granularity="head",
+                  stat_names=tuple(policy.stored_reads), max_requests=2, chunk_size=max(n, 1), policies=[policy])
+    try:
+        s.add("r", policy.configure(allocation=vt.Uniform()), budget=budget)
+        s.prefill(["r"], [context], evict=False)
+        batch, ns = s.driver.stats_batch(["r"])
+        pos = batch.positions[0].cpu()
+        mask = policy.compile("torch").keep_mask(batch)[0].cpu()  # [L, H, N], the live view is positions 0..n-1
+        return [[pos[li, h][mask[li, h]].tolist() for h in range(mask.shape[1])] for li in range(mask.shape[0])]
+    finally:
+        s.cache.close()
 
 
 def run_vtoken(model: Any, press: str, ratio: float, context: list[int], question: list[int],
@@ -100,6 +146,10 @@ def run_vtoken(model: Any, press: str, ratio: float, context: list[int], questio
     n = len(context)
     policy = vtoken_policy(policy_name or press, press, n)
     budget = kvpress_budget(press, n, ratio)
+    if not policy.spec.uniform:
+        kept = keep_sets_unequal(model, policy, context, budget)
+        return {"kept_indices": kept, "generated_ids": None, "n_kept": sum(len(h) for lk in kept for h in lk),
+                "failures": []}
     s = HFSession(model, block_size=16, num_blocks=-(-(n + len(question) + max_new) // 16) + 4, granularity="head",
                   stat_names=tuple(policy.stored_reads), max_requests=2, chunk_size=max(n, 1), policies=[policy])
     s.add("r", policy, budget=budget)
@@ -122,6 +172,8 @@ def run_vtoken(model: Any, press: str, ratio: float, context: list[int], questio
 def compare(press: str, ratio: float, context: list[int], question: list[int], max_new: int, model: Any,
             model_dir: Path, policy: str | None = None) -> dict[str, Any]:
     policy = policy or dict((pr, po) for po, pr in PAIRS).get(press, press)
+    if press == "pyramidkv":
+        context = context[:whole_share(len(context), ratio)]
     peer = run_peer(press, ratio, context, question, max_new, model_dir)
     ours = run_vtoken(model, press, ratio, context, question, max_new, policy)
     rows_total = rows_equal = diff_tokens = 0
@@ -131,12 +183,16 @@ def compare(press: str, ratio: float, context: list[int], question: list[int], m
             rows_equal += hk == ho
             diff_tokens += (len(set(hk) ^ set(ho)) + 1) // 2
     n_peer = peer["n_kept"]
+    greedy = None if ours["generated_ids"] is None else peer["generated_ids"] == ours["generated_ids"]
+    if press in UNEQUAL:  # rows of different sizes: the totals over all rows
+        n_peer = sum(len(h) for lk in peer["kept_indices"] for h in lk)
     return {"policy": policy, "press": press, "ratio": ratio, "context": len(context),
             "n_kept_peer": max(n_peer) if isinstance(n_peer, list) else n_peer,
             "n_kept_peer_min": min(n_peer) if isinstance(n_peer, list) else n_peer, "n_kept_vtoken": ours["n_kept"],
+            "unequal": press in UNEQUAL, "row_kept_min": min(len(h) for lk in ours["kept_indices"] for h in lk),
+            "row_kept_max": max(len(h) for lk in ours["kept_indices"] for h in lk),
             "rows": rows_total, "rows_total": rows_total, "rows_identical": rows_equal,
-            "tokens_differing": diff_tokens, "greedy_equal": peer["generated_ids"] == ours["generated_ids"],
-            "greedy_identical": peer["generated_ids"] == ours["generated_ids"],
+            "tokens_differing": diff_tokens, "greedy_equal": greedy, "greedy_identical": greedy,
             "peer_text": peer.get("generated_text"), "vtoken_ids": ours["generated_ids"],
             "peer_ids": peer["generated_ids"], "peer_topk_agrees": peer.get("topk_agrees"),
             "failures": ours["failures"]}

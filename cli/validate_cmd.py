@@ -359,7 +359,7 @@ def list_policies(
         items.append({
             "name": p.name, "file": str(vtoken_policies.path(name)), "score": p.describe(),
             "reads": sorted(p.reads), "granularity": p.granularity,
-            "budget": p.budget.model_dump(exclude_none=True),
+            "allocation": p.allocation.model_dump(), "budget": p.budget.model_dump(exclude_none=True),
             "protect": [type(r).__name__ + "(" + ", ".join(f"{k}={v}" for k, v in r.model_dump().items()
                                                          if k not in ("fn", "node")) + ")" for r in p.spec.protect],
             "stats": p.spec.stats.model_dump(), "doc": p.doc.splitlines()[0] if p.doc else "",
@@ -368,10 +368,12 @@ def list_policies(
         sys.stdout.write(json.dumps(items, indent=2) + "\n")
         return
     table = Table(title="shipped policies")
-    for col in ("name", "score", "budget", "protect", "granularity", "reads", "paper"):
+    for col in ("name", "score", "budget", "protect", "granularity", "allocation", "reads", "paper"):
         table.add_column(col, overflow="fold")
     for it in items:
-        b = it["budget"]
+        b, a = it["budget"], dict(it["allocation"])  # type: ignore[call-overload]
+        alloc = str(a.pop("kind")) + "".join(f" {k}={v}" for k, v in a.items())
         table.add_row(str(it["name"]), str(it["score"]), ", ".join(f"{k}={v}" for k, v in b.items()),  # type: ignore[union-attr]
-                      ", ".join(it["protect"]), str(it["granularity"]), ", ".join(it["reads"]), str(it["doc"]))  # type: ignore[arg-type]
+                      ", ".join(it["protect"]), str(it["granularity"]), alloc, ", ".join(it["reads"]),  # type: ignore[arg-type]
+                      str(it["doc"]))
     out.print(table)

@@ -15,11 +15,19 @@ MODULES = {"h2o": "h2o", "scissorhands": "scissorhands", "random": "random_evict
            "streaming_llm": "streaming_llm", "snapkv": "snapkv", "tova": "tova", "knorm": "knorm",
            "observed_attention": "observed_attention", "keydiff": "keydiff",
            "expected_attention": "expected_attention", "chunkkv": "chunkkv", "cur": "cur",
-           "diverse_hitters": "diverse_hitters", "snap_observed": "snap_observed"}
+           "diverse_hitters": "diverse_hitters", "snap_observed": "snap_observed", "ada_snapkv": "ada_snapkv",
+           "ada_expected_attention": "ada_expected_attention", "pyramidkv": "pyramidkv"}
 
 
 def names() -> list[str]:
     return list(MODULES)
+
+
+def uniform() -> list[str]:
+    """The shipped policies whose every (layer, KV head) row keeps the same number of tokens: those the
+    runtimes (HF session, vLLM) run today. The others (``allocation=``: AdaKV, PyramidKV) select in the SDK;
+    the runtimes refuse them by name until their per-row pages exist (issue 38). Imports every policy."""
+    return [n for n in MODULES if load(n).spec.uniform]
 
 
 def path(name: str) -> Path:

@@ -96,6 +96,17 @@ class Collective(Protocol):
 COUNTERS = ("evictions", "tokens_evicted", "tokens_moved", "blocks_freed", "policy_failures")
 
 
+def refuse_unequal(policy: Policy | None) -> None:
+    """ValueError for a policy whose rows keep unequal numbers of tokens: the token table keeps one length per
+    request (docs/decisions.md, decision 4) until per-row pages exist (decision 8, issue 38)."""
+    if policy is not None and not policy.spec.uniform:
+        raise ValueError(f"policy {policy.name!r} has allocation={policy.spec.allocation!r} (unequal budgets per "
+                         "(layer, KV head) row); this runtime keeps one length per request and runs only "
+                         "allocation=vt.Uniform() until per-row pages land (docs/decisions.md, decision 8). "
+                         "The SDK selects with it (`vtoken-cli validate`, `policy.keep_mask`); to serve it now, "
+                         "configure(allocation=vt.Uniform())")
+
+
 class EvictionDriver:
     """Drives eviction for the requests of one :class:`VTokenCache`. ``followers``: bookkeeping caches that
     receive the same decisions (other block sizes); ``record_keeps``: log every request's kept positions."""
@@ -118,6 +129,7 @@ class EvictionDriver:
         """Track a request (already added to the cache). ``budget``: a per-request override."""
         if req_id in self.requests:
             raise ValueError(f"request {req_id!r} is already tracked")
+        refuse_unequal(policy)
         t = TrackedRequest(policy, budget if budget is not None or policy is None else policy.budget)
         self.requests[req_id] = t
         return t

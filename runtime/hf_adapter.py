@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from .cache import AttentionMetadata, VTokenCache
-from .eviction import EvictionDriver, TrackedRequest
+from .eviction import EvictionDriver, TrackedRequest, refuse_unequal
 from .stats import StatsCollector, needs_probs
 from .stats.query_vectors import FUTURE_STATS, QueryWindows, WriteIndex
 from .stats.rope import RotaryTables, rotary_tables
@@ -185,6 +185,7 @@ class HFSession:
     def _check_policy(self, policy: Any | None) -> None:
         if policy is None:
             return
+        refuse_unequal(policy)  # before the caches see the request: a refusal changes nothing
         missing = set(policy.stored_reads) - set(self.stat_names)
         if missing:
             raise ValueError(f"policy {policy.name!r} reads {sorted(missing)}, which this session does not "

@@ -38,6 +38,18 @@ CASES: list[tuple[str, dict[str, Any]]] = [
     ("snap_observed", {}),
 ]
 
+# Unequal budgets (``allocation=``): the SDK's contract checks and the Triton kernels run these; the runtimes
+# refuse them (``vtoken_runtime.eviction.refuse_unequal``) until per-row pages exist, so the runtime tests
+# that take CASES do not. The shipped ada_snapkv / ada_expected_attention / pyramidkv are in
+# ``vtoken_policies.names()`` and run through every shipped-policy test of the SDK.
+ALLOCATION_CASES: list[tuple[str, dict[str, Any]]] = [
+    ("h2o", {"allocation": vt.AdaptiveLayer(floor=0.2)}),
+    ("knorm", {"allocation": vt.AdaptiveLayer(floor=0.0), "protect": [vt.sinks(2)]}),
+    ("tova", {"allocation": vt.AdaptiveLayer(floor=1.0)}),
+    ("snapkv", {"allocation": vt.Pyramid(beta=4, window=2)}),
+    ("random", {"allocation": vt.Pyramid(beta=1.5, window=0), "budget": vt.Budget(tokens=5, min_tokens=2)}),
+]
+
 
 def sizes(fast: int, full: int) -> pytest.MarkDecorator:
     """Parametrize a test's ``examples`` (hypothesis examples per property): ``fast`` in the fast suite
@@ -49,7 +61,8 @@ def sizes(fast: int, full: int) -> pytest.MarkDecorator:
 
 def case_id(case: tuple[str, dict[str, Any]]) -> str:
     name, kw = case
-    return name + ("-" + "-".join(sorted(kw)) if kw else "")
+    alloc = kw.get("allocation")
+    return name + ("-" + "-".join(sorted(kw)) if kw else "") + (f"-{alloc.kind}" if alloc is not None else "")
 
 
 def build(case: tuple[str, dict[str, Any]]) -> vt.Policy:

@@ -1,7 +1,8 @@
 """How a request's budget is shared among its (layer, KV head) rows: the counts step of unequal budgets.
 
-Step 1 of issue 38 (design: docs/decisions.md, decision 8). Not yet wired into ``@vt.policy`` or the runtime,
-which keep decision 4's equal counts; this module is the reference the rest will be tested against.
+Issue 38 (design: docs/decisions.md, decision 8). ``@vt.policy(allocation=...)`` selects with it (torch
+reference and Triton kernels); the runtimes (HF session, vLLM) still keep decision 4's equal counts and refuse
+a policy with unequal allocation by name until their per-row pages exist.
 
 Selection with an allocation is two steps, both exact and deterministic:
 
@@ -27,6 +28,12 @@ Allocations (``budget`` below is the uniform share of a row, ``k = min(length, b
 * :class:`LayerSchedule`: layer ``l`` keeps ``counts[l]`` per head, ``counts`` apportioned from ``weights``
   by largest remainder so that ``sum_l H x counts[l] == L x H x k`` exactly (a row never keeps more than
   the length; what a full layer cannot take is not moved to another).
+* :class:`Pyramid` (PyramidKV; kvpress ``PyramidKVPress(window_size=window, beta=beta)``): layer ``l``
+  keeps ``round(max_num - l x (max_num - min_num) / (L - 1))`` per head, kvpress's ``get_layer_budget``
+  with ``q_len x (1 - compression_ratio)`` read as the uniform share ``k`` (equal to kvpress's whenever
+  ``q_len x (1 - r)`` is a whole number); where the pyramid does not fit (``not q_len >= max_num >= min_num
+  >= window``) every layer keeps ``k``. Its total is the sum of its rounded layers (within ``L / 2`` of
+  ``L x H x k``), not ``L x H x k`` exactly.
 
 Shapes: ``scores [B, L, H, N]`` float, ``lengths [B]`` int, ``pins [B, L, H, N]`` bool (broadcastable),
 ``budget [B]`` int (tokens per row at uniform allocation).
@@ -42,8 +49,8 @@ from torch import Tensor
 
 from .selection import _INVALID, _PIN_KEY, _keep_top_k_sorted, ordered_key
 
-__all__ = ["AdaptiveLayer", "Allocation", "LayerSchedule", "Uniform", "allocate_counts", "composite_keys",
-           "layer_counts", "select_counts"]
+__all__ = ["AdaptiveLayer", "Allocation", "LayerSchedule", "Pyramid", "Uniform", "allocate_counts",
+           "composite_keys", "layer_counts", "pyramid_counts", "select_counts"]
 
 
 class Uniform(BaseModel):
@@ -94,7 +101,32 @@ class LayerSchedule(BaseModel):
         return cls(weights=tuple(ratio - (ratio - 1.0) * i / (num_layers - 1) for i in range(num_layers)))
 
 
-Allocation = Uniform | AdaptiveLayer | LayerSchedule
+class Pyramid(BaseModel):
+    """PyramidKV's per-layer schedule (kvpress ``PyramidKVPress``): more tokens to the lower layers, the
+    slope set by ``beta`` (>= 1; larger: steeper), ``window`` the observation window kvpress reserves."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    kind: Literal["pyramid"] = "pyramid"
+    beta: Annotated[float, Field(ge=1.0)] = 20.0
+    window: Annotated[int, Field(ge=0)] = 64
+
+
+Allocation = Uniform | AdaptiveLayer | LayerSchedule | Pyramid
+
+
+def pyramid_counts(pyr: Pyramid, num_layers: int, length: int, k: int) -> list[int]:
+    """Per-layer counts of :class:`Pyramid` for a row of ``length`` tokens and a uniform share ``k``
+    (kvpress 0.5.5 ``PyramidKVPress.get_layer_budget``, ``q_len x (1 - r)`` read as ``k``)."""
+    w = pyr.window
+    min_num = k / pyr.beta
+    max_num = k * 2 - min_num
+    if max_num >= length - w:
+        max_num = length - w
+        min_num = k * 2 - max_num
+    if not (length >= max_num >= min_num >= w):
+        return [max(1, k) if length else 0] * num_layers
+    steps = (max_num - min_num) / (num_layers - 1) if num_layers > 1 else 0.0
+    return [round(max_num - i * steps) for i in range(num_layers)]
 
 
 def composite_keys(scores: Tensor, lengths: Tensor, pins: Tensor) -> Tensor:
@@ -143,12 +175,17 @@ def allocate_counts(scores: Tensor, lengths: Tensor, pins: Tensor, budget: Tenso
         kk = torch.maximum(k, npins.flatten(1).amax(1) if nl * h else k)
         counts = torch.minimum(kk, lengths)[:, None, None].expand(b, nl, h).clone()
         return counts, nl * h * (kk - k).clamp(min=0)
-    if isinstance(allocation, LayerSchedule):
+    if isinstance(allocation, (LayerSchedule, Pyramid)):
         counts = torch.empty(b, nl, h, dtype=torch.int64, device=scores.device)
+        base = torch.empty(b, dtype=torch.int64)
         for i in range(b):
-            per = torch.tensor(layer_counts(allocation, nl, int(k[i])), dtype=torch.int64, device=scores.device)
+            ki, li = int(k[i]), int(lengths[i])
+            per_l = (layer_counts(allocation, nl, ki) if isinstance(allocation, LayerSchedule)
+                     else pyramid_counts(allocation, nl, li, ki))
+            per = torch.tensor(per_l, dtype=torch.int64, device=scores.device)
+            base[i] = h * int(per.clamp(max=li).sum())
             counts[i] = torch.minimum(torch.maximum(per[:, None], npins[i]), lengths[i])
-        over = (counts.sum((1, 2)) - nl * h * k).clamp(min=0)
+        over = (counts.sum((1, 2)).cpu() - base).clamp(min=0).to(scores.device)
         return counts, over
     if isinstance(allocation, AdaptiveLayer):
         comp = composite_keys(scores, lengths, pins)  # [B, L, H, N]
@@ -172,7 +209,8 @@ def allocate_counts(scores: Tensor, lengths: Tensor, pins: Tensor, budget: Tenso
         counts = torch.zeros(b, nl, h, dtype=torch.int64, device=scores.device)
         counts.scatter_add_(-1, rows, taken.to(torch.int64))
         return counts, (total.sum(-1) - nl * h * k).clamp(min=0)
-    raise TypeError(f"got allocation {allocation!r}, expected Uniform(), AdaptiveLayer(...) or LayerSchedule(...)")
+    raise TypeError(f"got allocation {allocation!r}, expected Uniform(), AdaptiveLayer(...), LayerSchedule(...) "
+                    "or Pyramid(...)")
 
 
 def select_counts(scores: Tensor, lengths: Tensor, pins: Tensor, counts: Tensor) -> Tensor:

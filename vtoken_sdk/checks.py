@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from hypothesis import HealthCheck, example, given, settings
 
+from .allocation import AdaptiveLayer, LayerSchedule, composite_keys, layer_counts, pyramid_counts
 from .batch import StatsBatch
 from .errors import PolicyRuntimeError
 from .policy import Policy
@@ -30,7 +31,8 @@ CHECKS: dict[str, str] = {
     "known_stats": "reads only known statistics",
     "score_shape": "scores [B,L,H,N] float32 / mask [B,L,H,N] bool",
     "pins_kept": "pinned tokens never dropped",
-    "exact_budget": "kept == min(length, max(budget, pins)) in every row",
+    "exact_budget": "kept == min(length, max(budget, pins)) in every row (unequal allocation: the allocation's "
+                    "total, every row >= its floor and pins, each row its own top)",
     "padding": "nothing kept past a request's length",
     "deterministic": "same mask twice under a fixed seed",
     "batch_invariant": "a request's mask ignores the rest of the batch",
@@ -89,8 +91,75 @@ def prop_pins(compiled: Any, batch: StatsBatch) -> None:
         raise ContractViolation(f"pinned token dropped at {_where(dropped)}")
 
 
+def _expected_rows(compiled: Any, batch: StatsBatch) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Unequal allocation, written out from the allocation's definition (not the selection code):
+    ``(at_least [B, L, H], exact [B, L, H] or None, layer_total [B, L])``. AdaptiveLayer: a layer keeps
+    ``max(H x k, sum of its rows' floors)``, a row at least ``min(length, max(floor, its pins))`` with
+    ``floor = max(1, int(k x floor))``; a schedule: every row exactly ``min(length, max(its layer's count,
+    its pins))``."""
+    b, l_, h, n = batch.shape
+    pins = compiled.pins(batch).cpu()
+    lengths = batch.lengths.to(torch.int64).cpu()
+    valid = torch.arange(n)[None, None, None, :] < lengths[:, None, None, None]
+    npins = (pins & valid).sum(-1)  # [B, L, H]
+    budget = _expected_budget(compiled, batch).clamp(min=0)
+    k = torch.minimum(lengths, budget)
+    alloc = compiled.policy.spec.allocation
+    if isinstance(alloc, AdaptiveLayer):
+        floor = torch.tensor([max(1, int(int(x) * alloc.floor)) if int(x) > 0 and alloc.floor > 0 else 0
+                              for x in k], dtype=torch.int64)
+        least = torch.minimum(torch.maximum(floor[:, None, None], npins), lengths[:, None, None])
+        return least, None, torch.maximum(h * k[:, None], least.sum(-1))
+    per = torch.tensor([layer_counts(alloc, l_, int(k[i])) if isinstance(alloc, LayerSchedule)
+                        else pyramid_counts(alloc, l_, int(lengths[i]), int(k[i])) for i in range(b)],
+                       dtype=torch.int64).reshape(b, l_)
+    exact = torch.minimum(torch.maximum(per[:, :, None], npins), lengths[:, None, None])
+    return exact, exact, exact.sum(-1)
+
+
+def _prop_rows(compiled: Any, batch: StatsBatch, mask: torch.Tensor) -> None:
+    """The unequal-allocation contract (:func:`_expected_rows`), and every row keeps its own top tokens
+    (pins, then scores, NaN as -inf, ties to the more recent token)."""
+    least, exact, total = _expected_rows(compiled, batch)
+    kept = mask.cpu().sum(-1)  # [B, L, H]
+    bad = kept < least if exact is None else kept != exact
+    if bad.any():
+        bi, li, hi = (int(x) for x in bad.nonzero()[0])
+        what = "at least" if exact is None else "exactly"
+        raise ContractViolation(f"request {bi} layer {li} head {hi} keeps {int(kept[bi, li, hi])} tokens, expected "
+                                f"{what} {int(least[bi, li, hi])} ({compiled.policy.spec.allocation!r})")
+    bad_l = kept.sum(-1) != total
+    if bad_l.any():
+        bi, li = (int(x) for x in bad_l.nonzero()[0])
+        raise ContractViolation(f"request {bi} layer {li} keeps {int(kept[bi, li].sum())} tokens in all, expected "
+                                f"{int(total[bi, li])} ({compiled.policy.spec.allocation!r})")
+    comp = composite_keys(compiled.scores(batch).cpu(), batch.lengths.cpu(), compiled.pins(batch).cpu())
+    m = mask.cpu()
+    lo = torch.where(m, comp, torch.full_like(comp, 2**63 - 1)).amin(-1)  # the weakest kept key of a row
+    hi = torch.where(~m, comp, torch.full_like(comp, -(2**63))).amax(-1)  # the strongest dropped one
+    worse = (lo < hi) & m.any(-1) & (~m).any(-1)
+    if worse.any():
+        bi, li, hi_ = (int(x) for x in worse.nonzero()[0])
+        raise ContractViolation(f"request {bi} layer {li} head {hi_} drops a token that ranks above one it keeps")
+    if exact is None:  # AdaptiveLayer: past each row's own floor, the layer keeps its highest keys of all rows
+        n = comp.shape[-1]
+        rank = torch.empty_like(comp)
+        rank.scatter_(-1, comp.argsort(-1, descending=True), torch.arange(n).expand_as(comp).contiguous())
+        rest = (rank >= least[..., None]) & (comp != -(2**63))  # valid tokens beyond the row's floor
+        lo = torch.where(m & rest, comp, torch.full_like(comp, 2**63 - 1)).flatten(2).amin(-1)  # [B, L]
+        hi = torch.where(~m & rest, comp, torch.full_like(comp, -(2**63))).flatten(2).amax(-1)
+        bad_l = lo < hi
+        if bad_l.any():
+            bi, li = (int(x) for x in bad_l.nonzero()[0])
+            raise ContractViolation(f"request {bi} layer {li} drops a token that ranks above one another head of "
+                                    f"the layer keeps beyond its floor ({compiled.policy.spec.allocation!r})")
+
+
 def prop_budget(compiled: Any, batch: StatsBatch) -> None:
     mask = _mask(compiled, batch)
+    if not compiled.policy.spec.uniform:
+        _prop_rows(compiled, batch, mask)
+        return
     _, k = _expected(compiled, batch)
     kept = mask.sum(-1)  # [B, L, H]
     bad = kept != k[:, None, None]
@@ -195,6 +264,7 @@ class _Fixed:
 
     def __init__(self, compiled: Any, mask: torch.Tensor) -> None:
         self.policy, self.pins, self.mask = compiled.policy, compiled.pins, mask
+        self.scores = getattr(compiled, "scores", None)  # unequal allocation: each row its own top (_prop_rows)
 
     def keep_mask(self, batch: StatsBatch) -> torch.Tensor:
         return self.mask

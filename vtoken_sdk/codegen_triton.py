@@ -54,7 +54,7 @@ from .stats import CATALOG
 if TYPE_CHECKING:
     from .policy import Policy
 
-CODEGEN_VERSION = "2"
+CODEGEN_VERSION = "3"
 APPROX_UNARY = ("log", "tanh")
 EXP_UNARY = ("exp", "sigmoid")  # exact: a fixed IEEE sequence shared with the torch backend (torch_backend.exp_det)
 APPROX_BINARY = ("pow",)
@@ -790,15 +790,22 @@ def generate(policy: Policy) -> GeneratedPolicy:
 
     sel = ["@triton.jit",
            f"def select_kernel(out_ptr, out_sb, npins_ptr, budget_ptr, lengths_ptr, seq_ptr, R_OUT, {kargs}, "
-           "BLOCK: tl.constexpr, HAS_PINNED: tl.constexpr, SINGLE: tl.constexpr, RBLOCK: tl.constexpr):",
-           '    """Grid (B, R_OUT): keep exactly k tokens of each row (vtoken_sdk.selection contract)."""',
+           "BLOCK: tl.constexpr, HAS_PINNED: tl.constexpr, SINGLE: tl.constexpr, RBLOCK: tl.constexpr, "
+           "PER_ROW: tl.constexpr):",
+           '    """Grid (B, R_OUT): keep exactly k tokens of each row (vtoken_sdk.selection contract); PER_ROW: k is',
+           '    budget_ptr[b, r], a count per row from the allocation step (vtoken_sdk.allocation)."""',
            *prologue,
-           "    mp = tl.zeros([], dtype=tl.int32)",
-           "    for r0 in range(0, R_OUT, RBLOCK):",
-           "        ro = r0 + tl.arange(0, RBLOCK)",
-           "        mp = tl.maximum(mp, tl.max(tl.load(npins_ptr + b * R_OUT + ro, mask=ro < R_OUT, other=0), axis=0))",
-           "    budget = tl.load(budget_ptr + b).to(tl.int32)",
-           "    rem = tl.minimum(n_len, tl.maximum(budget, mp))  # k; then: still to pick at the threshold",
+           "    if PER_ROW:",
+           "        rem = tl.minimum(n_len, tl.load(budget_ptr + b * R_OUT + r).to(tl.int32))",
+           "    else:",
+           "        mp = tl.zeros([], dtype=tl.int32)",
+           "        for r0 in range(0, R_OUT, RBLOCK):",
+           "            ro = r0 + tl.arange(0, RBLOCK)",
+           "            mp = tl.maximum(mp, tl.max(tl.load(npins_ptr + b * R_OUT + ro, mask=ro < R_OUT, other=0), "
+           "axis=0))",
+           "        budget = tl.load(budget_ptr + b).to(tl.int32)",
+           "        rem = tl.minimum(n_len, tl.maximum(budget, mp))  # k",
+           "    # then: rem is what is still to pick at the threshold",
            "    thr = tl.zeros([], dtype=tl.uint32)",
            "    if SINGLE:"]
     sel += _select_body(True, request)

@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from torch import Tensor
 
 from . import ir
+from .allocation import AdaptiveLayer, Allocation, LayerSchedule, Pyramid, Uniform
 from .budget import Budget
 from .errors import PolicyDefinitionError, traceback_line_in_file
 from .protect import Predicate, Rule, flatten
@@ -56,6 +57,12 @@ class PolicySpec(BaseModel):
     granularity: Granularity = "request"
     stats: StatsConfig = StatsConfig()
     params: Params | None = None
+    allocation: Allocation = Uniform()
+
+    @property
+    def uniform(self) -> bool:
+        """Every (layer, KV head) row keeps the same number of tokens (decision 4; what the runtimes run)."""
+        return isinstance(self.allocation, Uniform)
 
 
 def _loc(fn: Callable[..., Any]) -> tuple[str, int]:
@@ -179,8 +186,13 @@ class Policy:
     def granularity(self) -> Granularity:
         return self.spec.granularity
 
+    @property
+    def allocation(self) -> Allocation:
+        return self.spec.allocation
+
     def __repr__(self) -> str:
-        return (f"Policy({self.name!r}, budget={self.budget!r}, granularity={self.granularity!r}, "
+        alloc = "" if self.spec.uniform else f", allocation={self.allocation!r}"
+        return (f"Policy({self.name!r}, budget={self.budget!r}, granularity={self.granularity!r}{alloc}, "
                 f"reads={sorted(self.reads)})")
 
     def describe(self) -> str:
@@ -191,7 +203,7 @@ class Policy:
     def configure(self, **changes: Any) -> Policy:
         """A copy with other settings, e.g. ``h2o.configure(budget=vt.Budget.evict(0.7))``.
 
-        Keys: ``budget``, ``protect``, ``granularity``, ``stats``, ``name``, or fields of
+        Keys: ``budget``, ``protect``, ``granularity``, ``stats``, ``allocation``, ``name``, or fields of
         the policy's ``Params`` model. The score function is re-traced.
         """
         spec_fields = set(PolicySpec.model_fields)
@@ -208,6 +220,11 @@ class Policy:
                 update["params"] = self.spec.params.model_validate({**self.spec.params.model_dump(), **param_changes})
             except ValidationError as e:
                 raise PolicyDefinitionError(_pydantic_message(e), file=self.file, line=self.line) from None
+        if "allocation" in update:
+            _check_allocation(update["allocation"], update.get("granularity", self.spec.granularity), self.kind,
+                              self.file, self.line)
+        elif update.get("granularity", "head") != "head" and not self.spec.uniform:
+            _check_allocation(self.spec.allocation, update["granularity"], self.kind, self.file, self.line)
         try:
             spec = PolicySpec.model_validate({**dict(self.spec), **update})
         except ValidationError as e:
@@ -236,8 +253,32 @@ def _pydantic_message(e: ValidationError) -> str:
     return "; ".join(parts)
 
 
+ALLOCATIONS = (Uniform, AdaptiveLayer, LayerSchedule, Pyramid)
+
+
+def _check_allocation(allocation: Any, granularity: Any, kind: str, file: str, line: int) -> None:
+    """``allocation=`` is one of the frozen models; an unequal one needs per-head rows and a score function."""
+    if not isinstance(allocation, ALLOCATIONS):
+        raise PolicyDefinitionError(
+            f"got allocation of type {type(allocation).__name__}, expected one of "
+            f"{', '.join('vt.' + a.__name__ for a in ALLOCATIONS)}", file=file, line=line,
+            hint="e.g. allocation=vt.AdaptiveLayer(floor=0.2) (AdaKV) or vt.Pyramid(beta=20) (PyramidKV)")
+    if isinstance(allocation, Uniform):
+        return
+    if granularity != "head":
+        raise PolicyDefinitionError(
+            f"got allocation={allocation!r} with granularity={granularity!r}, expected granularity='head'",
+            file=file, line=line, hint="unequal budgets share a request's tokens among its (layer, KV head) rows: "
+                                       "write granularity='head'")
+    if kind != "score":
+        raise PolicyDefinitionError(
+            f"got allocation={allocation!r} on a mask policy, expected a score policy",
+            file=file, line=line, hint="a mask function chooses its kept sets itself; write @vt.policy with a "
+                                       "score function to have the framework share the budget")
+
+
 def _make_spec(fn: Callable[..., Any], name: str | None, budget: Any, protect: Any, granularity: Any,
-               stats: Any, params: Any) -> PolicySpec:
+               stats: Any, params: Any, allocation: Any = None, kind: str = "score") -> PolicySpec:
     file, line = fn.__code__.co_filename, fn.__code__.co_firstlineno  # the decorator line: settings live there
     if isinstance(budget, (int, float)) and not isinstance(budget, bool):
         raise PolicyDefinitionError(f"got budget={budget!r}, expected a vt.Budget", file=file, line=line,
@@ -251,10 +292,13 @@ def _make_spec(fn: Callable[..., Any], name: str | None, budget: Any, protect: A
     if params is not None and not isinstance(params, Params):
         raise PolicyDefinitionError(f"got params of type {type(params).__name__}, expected a vt.Params instance",
                                     file=file, line=line, hint="class P(vt.Params): alpha: float = 1.0; params=P()")
+    allocation = Uniform() if allocation is None else allocation
+    _check_allocation(allocation, granularity, kind, file, line)
     try:
         rules = flatten(protect)
         return PolicySpec(name=name or fn.__name__, budget=budget, protect=rules, granularity=granularity,
-                          stats=stats if stats is not None else StatsConfig(), params=params)
+                          stats=stats if stats is not None else StatsConfig(), params=params,
+                          allocation=allocation)
     except (ValidationError, TypeError) as e:
         msg = _pydantic_message(e) if isinstance(e, ValidationError) else str(e)
         raise PolicyDefinitionError(msg, file=file, line=line) from None
@@ -262,13 +306,18 @@ def _make_spec(fn: Callable[..., Any], name: str | None, budget: Any, protect: A
 
 def policy(*, budget: Budget, protect: Rule | list[Rule] | tuple[Rule, ...] | None = None,
            granularity: Granularity = "request", stats: StatsConfig | None = None, params: Params | None = None,
-           name: str | None = None) -> Callable[[Callable[..., Any]], Policy]:
-    """Decorate a score function ``(s: TokenStats[, p: Params]) -> [B, H, N]`` (higher = keep)."""
+           name: str | None = None, allocation: Allocation | None = None) -> Callable[[Callable[..., Any]], Policy]:
+    """Decorate a score function ``(s: TokenStats[, p: Params]) -> [B, H, N]`` (higher = keep).
+
+    ``allocation``: how a request's budget is shared among its (layer, KV head) rows (``vt.Uniform()``, the
+    default: every row keeps ``budget``; ``vt.AdaptiveLayer(floor=0.2)``: AdaKV; ``vt.Pyramid()``: PyramidKV;
+    ``vt.LayerSchedule(weights=...)``; see ``vtoken_sdk.allocation``). Unequal allocations need
+    ``granularity="head"``."""
 
     def wrap(fn: Callable[..., Any]) -> Policy:
         if not callable(fn) or not hasattr(fn, "__code__"):
             raise PolicyDefinitionError(f"@vt.policy decorates a function, got {type(fn).__name__}")
-        return Policy(fn, _make_spec(fn, name, budget, protect, granularity, stats, params), "score")
+        return Policy(fn, _make_spec(fn, name, budget, protect, granularity, stats, params, allocation), "score")
 
     return wrap
 
@@ -290,6 +339,7 @@ def mask_policy(*, budget: Budget, reads: tuple[str, ...] | list[str] = (),
                 close = difflib.get_close_matches(r, list(CATALOG), n=1)
                 raise PolicyDefinitionError(f"unknown statistic {r!r} in reads=", file=file, line=line,
                                             hint=f"did you mean {close[0]!r}?" if close else None)
-        return Policy(fn, _make_spec(fn, name, budget, protect, granularity, stats, None), "mask", tuple(reads))
+        return Policy(fn, _make_spec(fn, name, budget, protect, granularity, stats, None, None, "mask"), "mask",
+                      tuple(reads))
 
     return wrap

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from . import ir
+from .allocation import allocate_counts, select_counts
 from .batch import MaskContext, StatsBatch
 from .errors import PolicyRuntimeError
 from .protect import AnyOf, Predicate, Recent, Rule, Sinks, Span
@@ -406,6 +407,9 @@ class TorchPolicy:
         if self.policy.kind == "mask":
             return self._custom_mask(batch, env, pins, budget)
         scores = self.scores(batch, env)
+        if not self.policy.spec.uniform:  # unequal budgets: counts per row, then each row's top (allocation)
+            counts = self.counts(batch, scores, pins, budget)
+            return select_counts(scores, batch.lengths, pins, counts)
         if self.policy.spec.granularity == "request":
             rows = scores.reshape(b, l_ * h, n)
             s1 = ordered_mean(rows, dim=1)
@@ -414,6 +418,16 @@ class TorchPolicy:
             return keep[:, :, None, :].expand(b, l_, h, n).contiguous()
         keep = select(scores.reshape(b, l_ * h, n), batch.lengths, pins.reshape(b, l_ * h, n), budget)
         return keep.reshape(b, l_, h, n)
+
+    def counts(self, batch: StatsBatch, scores: Tensor | None = None, pins: Tensor | None = None,
+               budget: Tensor | None = None) -> Tensor:
+        """``[B, L, H]`` int64: tokens every row keeps under the policy's allocation (vtoken_sdk.allocation)."""
+        env = self.env(batch) if scores is None or pins is None else None
+        scores = self.scores(batch, env) if scores is None else scores
+        pins = self.pins(batch, env) if pins is None else pins
+        budget = self.budgets(batch) if budget is None else budget
+        counts, _ = allocate_counts(scores, batch.lengths, pins, budget, self.policy.spec.allocation)
+        return counts
 
     def contract_violations(self, batch: StatsBatch, mask: Tensor) -> list[str | None]:
         """Per request: why ``mask [B, L, H, N]`` breaks the selection contract, or None.
@@ -424,6 +438,7 @@ class TorchPolicy:
         if self.policy.spec.granularity == "request":
             pins = pins.any(dim=(1, 2), keepdim=True).expand(b, l_, h, n)
         k, _ = keep_counts(batch.lengths.to(torch.int64), pins.reshape(b, l_ * h, n), self.budgets(batch))
+        want = None if self.policy.spec.uniform else self.counts(batch, pins=pins)
         valid = _valid(batch, n)
         out: list[str | None] = []
         for i in range(b):
@@ -432,6 +447,11 @@ class TorchPolicy:
                 out.append("drops a pinned token")
             elif (m & ~valid[i]).any():
                 out.append("keeps padding past the request's length")
+            elif want is not None:
+                bad = m.sum(-1) != want[i]
+                out.append(None if not bad.any() else
+                           f"keeps {int(m.sum(-1)[bad][0])} tokens in row {tuple(int(x) for x in bad.nonzero()[0])}, "
+                           f"expected {int(want[i][bad][0])} ({self.policy.spec.allocation!r})")
             elif not (m.sum(-1) == k[i]).all():
                 out.append(f"keeps {sorted(set(m.sum(-1).flatten().tolist()))} tokens per row, expected {int(k[i])}")
             else:

@@ -10,6 +10,11 @@
    (``tile`` tokens per step) and re-read the statistics on each of the 6 passes; no intermediate
    tensor is written to global memory either way.
 
+A policy with unequal allocation (``allocation=vt.AdaptiveLayer(...)``, ...) first gets its per-row counts
+``[B, L*H]`` from the allocation step (``vtoken_sdk.allocation.allocate_counts``, torch ops on the device
+over this backend's scores, which equal the reference's bit for bit), then the same ``select_kernel`` with
+``PER_ROW=True`` keeps each row's own count.
+
 ``R_OUT`` = ``L*H`` at head granularity, 1 at request granularity (the kernel then writes the same
 row to every (layer, head)). Policies with token reductions (``vt.token_*``, ``vt.softmax``) first run
 one ``rowval_kernel_<i>`` per reduction, grid ``(B, L*H)``, in dependency order; they write the row
@@ -237,6 +242,10 @@ class TritonPolicy:
         args, has_pinned, lengths, seq = self._launch_inputs(batch)
         budget = self.budgets(batch).to(device=dev, dtype=torch.int64).clamp(min=0, max=2**31 - 1).contiguous()
         r_out = 1 if self.generated.granularity == "request" else l_ * h
+        per_row = not self.policy.spec.uniform
+        if per_row:  # the counts step (torch, on the device, over this backend's scores); then per-row select
+            counts = self.torch.counts(batch, self.scores(batch), self.pins(batch), budget)
+            budget = counts.reshape(b, r_out).clamp(max=2**31 - 1).contiguous()
         npins = torch.empty((b, r_out), dtype=torch.int32, device=dev)
         cfg = self.config(n)
         grid = (b, r_out)
@@ -245,7 +254,7 @@ class TritonPolicy:
                                  num_warps=cfg["num_warps"], enable_fp_fusion=False)
         m.select_kernel[grid](out.view(torch.int8), l_ * h * n, npins, budget, lengths, seq, r_out, *args,
                               BLOCK=cfg["BLOCK"], HAS_PINNED=has_pinned, SINGLE=cfg["SINGLE"],
-                              RBLOCK=min(1024, _next_pow2(r_out)), num_warps=cfg["num_warps"],
+                              RBLOCK=min(1024, _next_pow2(r_out)), PER_ROW=per_row, num_warps=cfg["num_warps"],
                               enable_fp_fusion=False)
         return out
 
@@ -346,10 +355,12 @@ def aot_kernels(policy: Policy, arch: int = 90, max_single: int = DEFAULT_MAX_SI
                                f"{policy.name}.pin_count"))
     sel_sig = {"out_ptr": "*i8", "out_sb": "i32", "npins_ptr": "*i32", "budget_ptr": "*i64", **head,
                "R_OUT": "i32", **kargs}
+    per_row = not policy.spec.uniform
     for cfg, label in ((single, "select[single]"), (tiled, "select[tiled]")):
         reports.append(aot_compile(m.select_kernel, sel_sig,
                                    {"BLOCK": cfg["BLOCK"], "HAS_PINNED": True, "SINGLE": cfg["SINGLE"],
-                                    "RBLOCK": 128}, arch, cfg["num_warps"], f"{policy.name}.{label}"))
+                                    "RBLOCK": 128, "PER_ROW": per_row}, arch, cfg["num_warps"],
+                                   f"{policy.name}.{label}"))
     reports.append(aot_compile(m.scores_kernel, {"out_ptr": "*fp32", "out_sb": "i32", **head, **kargs},
                                {"BLOCK": 1024, "HAS_PINNED": True}, arch, 4, f"{policy.name}.scores[debug]"))
     return reports

@@ -108,6 +108,13 @@ class PluginConfig:
         if not self.enabled:
             return None
         pol = _load_policy(str(self.policy), self.policy_name)
+        if not pol.spec.uniform:
+            from vtoken_runtime.eviction import refuse_unequal
+
+            try:
+                refuse_unequal(pol)
+            except ValueError as e:
+                raise ValueError(f"vtoken: {e}") from None
         slack = self.slack
         if slack is None and "slack" not in pol.budget.model_fields_set:
             slack = SERVING_SLACK  # the serving default, unless the policy's budget sets its own slack

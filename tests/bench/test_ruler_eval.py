@@ -109,6 +109,14 @@ def test_unknown_policy_exits_1_naming_it(tmp_path: Path) -> None:
     assert "no_such_policy" in res.stderr and "Traceback" not in res.output
 
 
+def test_a_policy_with_unequal_budgets_exits_1_with_the_reason_before_anything_runs(tmp_path: Path) -> None:
+    res = runner.invoke(app, ["eval", "ruler", "--policies", "ada_snapkv", "--engines", "vtoken",
+                              "--work-dir", str(tmp_path)])
+    assert res.exit_code == 1, res.output
+    assert "ada_snapkv" in res.stderr and "allocation" in res.stderr and "Traceback" not in res.output
+    assert not any(tmp_path.iterdir())
+
+
 # --------------------------------------------------------------------------- slow: real samples, both engines
 
 needs_peer = pytest.mark.skipif(not PEER_PY.exists(), reason="run `make kvpress`")

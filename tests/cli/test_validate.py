@@ -64,7 +64,7 @@ def test_shipped_policies_validate_and_every_check_is_shown(examples: int) -> No
         sum(r["status"] == s for r in report["results"]) for s in ("pass", "fail", "skip")]
     assert set(by_policy) == {"h2o", "scissorhands", "random", "streaming_llm", "snapkv", "tova", "knorm", "observed_attention", "keydiff",
         "expected_attention", "chunkkv", "cur", "diverse_hitters",
-        "snap_observed"}
+        "snap_observed", "ada_snapkv", "ada_expected_attention", "pyramidkv"}
     for checks in by_policy.values():
         assert checks == set(report["checks"])
 
@@ -268,9 +268,12 @@ def test_list_shows_shipped_policies() -> None:
     names = {p["name"] for p in json.loads(res.stdout)}
     assert names == {"h2o", "scissorhands", "random", "streaming_llm", "snapkv", "tova", "knorm", "observed_attention", "keydiff",
         "expected_attention", "chunkkv", "cur", "diverse_hitters",
-        "snap_observed"}
+        "snap_observed", "ada_snapkv", "ada_expected_attention", "pyramidkv"}
+    by_name = {p["name"]: p for p in json.loads(res.stdout)}
+    assert by_name["h2o"]["allocation"] == {"kind": "uniform"}
+    assert by_name["ada_snapkv"]["allocation"] == {"kind": "adaptive_layer", "floor": 0.2}
     res = runner.invoke(app, ["list"])
-    assert "h2o" in res.stdout and "attn_sum" in res.stdout
+    assert "h2o" in res.stdout and "attn_sum" in res.stdout and "adaptive_layer" in res.stdout
 
 
 def test_no_args_shows_help() -> None:

@@ -279,3 +279,16 @@ def test_stats_batch_is_one_gather_per_statistic_for_the_whole_batch(granularity
     report = s.driver.step(rids[1:], "prefill")
     monkeypatch.undo()
     assert len(report.evicted) == 3 and calls["to_host"] == 1, (report.evicted, calls)
+
+
+@pytest.mark.parametrize("name", ["ada_snapkv", "pyramidkv", "ada_expected_attention"])
+def test_a_policy_with_unequal_budgets_is_refused_by_name_and_changes_nothing(name: str) -> None:
+    """The token table keeps one length per request until per-row pages exist (decision 8): the session
+    refuses the policy at ``add`` with the reason and the way out, and the request is not half-added."""
+    pol = vtoken_policies.load(name)
+    s = vt_session(tiny_llama(), pol)
+    with pytest.raises(ValueError, match=f"policy '{name}' has allocation=.*allocation=vt.Uniform"):
+        s.add("r", pol)
+    assert "r" not in s.requests and "r" not in s.driver.requests
+    s.add("r", pol.configure(allocation=vt.Uniform()))  # the way out the message names
+    s.prefill(["r"], [_prompt(40)])

@@ -145,3 +145,8 @@ def test_the_serving_slack_is_block_unless_the_policy_or_the_configuration_sets_
     monkeypatch.setattr(config, "_load_policy", lambda spec, name: own)
     assert PluginConfig(policy="mine").load_policy().budget.slack == 64  # the policy's own slack stays
     assert PluginConfig(policy="mine", slack="block").load_policy().budget.slack == "block"
+
+
+def test_serving_a_policy_with_unequal_budgets_is_refused_at_load_with_the_reason() -> None:
+    with pytest.raises(ValueError, match="vtoken: policy 'ada_snapkv' has allocation=AdaptiveLayer"):
+        PluginConfig(policy="ada_snapkv").load_policy()

@@ -12,12 +12,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import vtoken_sdk as vt
-from tests.cases import CASES, build, case_id
+from tests.cases import ALLOCATION_CASES, CASES, build, case_id
 from vtoken_sdk import codegen_triton
 from vtoken_sdk.batch import StatsBatch
 from vtoken_sdk.testing import BatchSpec, batch_specs, build_batch
 from vtoken_sdk.torch_backend import TorchPolicy
-from vtoken_sdk.triton_backend import TritonPolicy, load_generated
+from vtoken_sdk.triton_backend import MIN_BLOCK, TritonPolicy, load_generated
 
 pytestmark = [pytest.mark.triton, pytest.mark.filterwarnings("ignore::RuntimeWarning")]
 SETTINGS = settings(max_examples=50, deadline=None, derandomize=True,
@@ -60,7 +60,7 @@ FIXED = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=case_id)
+@pytest.mark.parametrize("case", CASES + ALLOCATION_CASES, ids=case_id)
 def test_shipped_policy_cases_bit_identical(case) -> None:
     policy = build(case)
     for spec in FIXED:
@@ -68,7 +68,8 @@ def test_shipped_policy_cases_bit_identical(case) -> None:
 
 
 @SETTINGS
-@given(case=st.sampled_from(CASES), spec=batch_specs(max_b=3, max_layers=2, max_heads=3, max_n=40))
+@given(case=st.sampled_from(CASES + ALLOCATION_CASES),
+       spec=batch_specs(max_b=3, max_layers=2, max_heads=3, max_n=40))
 def test_hypothesis_statistics_bit_identical(case, spec) -> None:
     _check(build(case), build_batch(spec), scores=False)
 
@@ -151,6 +152,14 @@ def test_generated_ir_bit_identical(policy, spec) -> None:
 def test_multipass_rows_forced_small_tile(case, spec) -> None:
     policy = build(case)
     _check(policy, build_batch(spec), tp=_tp(policy, max_single=0, tile=256), scores=False)
+
+
+@pytest.mark.parametrize("case", ALLOCATION_CASES, ids=case_id)
+def test_per_row_counts_on_the_tiled_path(case) -> None:
+    """Unequal allocation: the tiled select (PER_ROW counts) equals the reference too."""
+    policy = build(case)
+    for spec in FIXED:
+        _check(policy, build_batch(spec), tp=_tp(policy, max_single=0, tile=MIN_BLOCK), scores=False)
 
 
 def test_multipass_equals_single_pass_on_heavy_ties() -> None:
