@@ -1,7 +1,7 @@
 """The shipped policies, one file each (installed as ``vtoken_policies``).
 
-Nothing is imported eagerly: ``load(name)`` imports one policy module on demand and
-``names()`` lists them, so importing this package costs nothing.
+Nothing is imported eagerly: ``load(name)`` imports one policy module on demand and ``names()`` lists
+them, so importing this package costs nothing.
 """
 
 from __future__ import annotations
@@ -11,12 +11,11 @@ from pathlib import Path
 from typing import Any
 
 _HERE = Path(__file__).resolve().parent
-MODULES = {"h2o": "h2o", "scissorhands": "scissorhands", "random": "random_evict",
-           "streaming_llm": "streaming_llm", "snapkv": "snapkv", "tova": "tova", "knorm": "knorm",
-           "observed_attention": "observed_attention", "keydiff": "keydiff",
-           "expected_attention": "expected_attention", "chunkkv": "chunkkv", "cur": "cur",
-           "diverse_hitters": "diverse_hitters", "snap_observed": "snap_observed", "ada_snapkv": "ada_snapkv",
-           "ada_expected_attention": "ada_expected_attention", "pyramidkv": "pyramidkv"}
+# name -> module (the file is the name but for random_evict.py), in the order of the README's table
+MODULES = {n: "random_evict" if n == "random" else n for n in (
+    "h2o", "scissorhands", "random", "streaming_llm", "snapkv", "tova", "knorm", "observed_attention", "keydiff",
+    "expected_attention", "chunkkv", "cur", "diverse_hitters", "snap_observed", "ada_snapkv",
+    "ada_expected_attention", "pyramidkv", "ada_snap_observed")}
 
 
 def names() -> list[str]:

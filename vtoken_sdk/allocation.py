@@ -28,6 +28,8 @@ Allocations (``budget`` below is the uniform share of a row, ``k = min(length, b
 * :class:`LayerSchedule`: layer ``l`` keeps ``counts[l]`` per head, ``counts`` apportioned from ``weights``
   by largest remainder so that ``sum_l H x counts[l] == L x H x k`` exactly (a row never keeps more than
   the length; what a full layer cannot take is not moved to another).
+* :class:`GlobalAllocation`: :class:`AdaptiveLayer` over all ``L x H`` rows of the request at once (ties to
+  the lower row ``layer x H + head``).
 * :class:`Pyramid` (PyramidKV; kvpress ``PyramidKVPress(window_size=window, beta=beta)``): layer ``l``
   keeps ``round(max_num - l x (max_num - min_num) / (L - 1))`` per head, kvpress's ``get_layer_budget``
   with ``q_len x (1 - compression_ratio)`` read as the uniform share ``k`` (equal to kvpress's whenever
@@ -49,7 +51,8 @@ from torch import Tensor
 
 from .selection import _INVALID, _PIN_KEY, _keep_top_k_sorted, ordered_key
 
-__all__ = ["AdaptiveLayer", "Allocation", "LayerSchedule", "Pyramid", "Uniform", "allocate_counts",
+__all__ = ["AdaptiveLayer", "Allocation", "GlobalAllocation", "LayerSchedule", "Pyramid", "Uniform",
+           "allocate_counts",
            "composite_keys", "layer_counts", "pyramid_counts", "select_counts"]
 
 
@@ -111,7 +114,18 @@ class Pyramid(BaseModel):
     window: Annotated[int, Field(ge=0)] = 64
 
 
-Allocation = Uniform | AdaptiveLayer | LayerSchedule | Pyramid
+class GlobalAllocation(BaseModel):
+    """AdaptiveLayer over every (layer, KV head) row of a request at once (KVzip-style global ranking): the
+    request keeps ``L x H x budget`` tokens, each row first its own top ``max(1, int(floor x budget))``, the
+    rest to the highest scores of all rows (ties to the lower row, ``layer x H + head``). Scores of
+    different layers must compare on one scale for this to mean anything (attention probabilities do)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    kind: Literal["global"] = "global"
+    floor: Annotated[float, Field(ge=0.0, le=1.0)] = 0.2
+
+
+Allocation = Uniform | AdaptiveLayer | LayerSchedule | Pyramid | GlobalAllocation
 
 
 def pyramid_counts(pyr: Pyramid, num_layers: int, length: int, k: int) -> list[int]:
@@ -187,6 +201,10 @@ def allocate_counts(scores: Tensor, lengths: Tensor, pins: Tensor, budget: Tenso
             counts[i] = torch.minimum(torch.maximum(per[:, None], npins[i]), lengths[i])
         over = (counts.sum((1, 2)).cpu() - base).clamp(min=0).to(scores.device)
         return counts, over
+    if isinstance(allocation, GlobalAllocation):  # one "layer" of all L x H rows
+        counts, over = allocate_counts(scores.reshape(b, 1, nl * h, n), lengths, pins.reshape(b, 1, nl * h, n),
+                                       budget, AdaptiveLayer(floor=allocation.floor))
+        return counts.reshape(b, nl, h), over
     if isinstance(allocation, AdaptiveLayer):
         comp = composite_keys(scores, lengths, pins)  # [B, L, H, N]
         safe = (k.to(torch.float64) * allocation.floor).to(torch.int64)
@@ -209,8 +227,8 @@ def allocate_counts(scores: Tensor, lengths: Tensor, pins: Tensor, budget: Tenso
         counts = torch.zeros(b, nl, h, dtype=torch.int64, device=scores.device)
         counts.scatter_add_(-1, rows, taken.to(torch.int64))
         return counts, (total.sum(-1) - nl * h * k).clamp(min=0)
-    raise TypeError(f"got allocation {allocation!r}, expected Uniform(), AdaptiveLayer(...), LayerSchedule(...) "
-                    "or Pyramid(...)")
+    raise TypeError(f"got allocation {allocation!r}, expected Uniform(), AdaptiveLayer(...), LayerSchedule(...), "
+                    "Pyramid(...) or GlobalAllocation(...)")
 
 
 def select_counts(scores: Tensor, lengths: Tensor, pins: Tensor, counts: Tensor) -> Tensor:

@@ -14,7 +14,14 @@ from typing import Any
 import torch
 from hypothesis import HealthCheck, example, given, settings
 
-from .allocation import AdaptiveLayer, LayerSchedule, composite_keys, layer_counts, pyramid_counts
+from .allocation import (
+    AdaptiveLayer,
+    GlobalAllocation,
+    LayerSchedule,
+    composite_keys,
+    layer_counts,
+    pyramid_counts,
+)
 from .batch import StatsBatch
 from .errors import PolicyRuntimeError
 from .policy import Policy
@@ -93,7 +100,8 @@ def prop_pins(compiled: Any, batch: StatsBatch) -> None:
 
 def _expected_rows(compiled: Any, batch: StatsBatch) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Unequal allocation, written out from the allocation's definition (not the selection code):
-    ``(at_least [B, L, H], exact [B, L, H] or None, layer_total [B, L])``. AdaptiveLayer: a layer keeps
+    ``(at_least [B, L, H], exact [B, L, H] or None, layer_total [B, L])`` (GlobalAllocation: ``[B, 1]``, the
+    request's total over all rows, ``max(L x H x k, sum of the floors)``). AdaptiveLayer: a layer keeps
     ``max(H x k, sum of its rows' floors)``, a row at least ``min(length, max(floor, its pins))`` with
     ``floor = max(1, int(k x floor))``; a schedule: every row exactly ``min(length, max(its layer's count,
     its pins))``."""
@@ -105,10 +113,12 @@ def _expected_rows(compiled: Any, batch: StatsBatch) -> tuple[torch.Tensor, torc
     budget = _expected_budget(compiled, batch).clamp(min=0)
     k = torch.minimum(lengths, budget)
     alloc = compiled.policy.spec.allocation
-    if isinstance(alloc, AdaptiveLayer):
+    if isinstance(alloc, (AdaptiveLayer, GlobalAllocation)):
         floor = torch.tensor([max(1, int(int(x) * alloc.floor)) if int(x) > 0 and alloc.floor > 0 else 0
                               for x in k], dtype=torch.int64)
         least = torch.minimum(torch.maximum(floor[:, None, None], npins), lengths[:, None, None])
+        if isinstance(alloc, GlobalAllocation):  # one total over every row: [B, 1]
+            return least, None, torch.maximum(l_ * h * k, least.sum((1, 2)))[:, None]
         return least, None, torch.maximum(h * k[:, None], least.sum(-1))
     per = torch.tensor([layer_counts(alloc, l_, int(k[i])) if isinstance(alloc, LayerSchedule)
                         else pyramid_counts(alloc, l_, int(lengths[i]), int(k[i])) for i in range(b)],
@@ -121,6 +131,11 @@ def _prop_rows(compiled: Any, batch: StatsBatch, mask: torch.Tensor) -> None:
     """The unequal-allocation contract (:func:`_expected_rows`), and every row keeps its own top tokens
     (pins, then scores, NaN as -inf, ties to the more recent token)."""
     least, exact, total = _expected_rows(compiled, batch)
+    b, l_, h, n = batch.shape
+    glob = isinstance(compiled.policy.spec.allocation, GlobalAllocation)
+    if glob:  # one group of all L x H rows: the layer-wide checks below run over the whole request
+        least = least.reshape(b, 1, l_ * h)
+        mask = mask.reshape(b, 1, l_ * h, n)
     kept = mask.cpu().sum(-1)  # [B, L, H]
     bad = kept < least if exact is None else kept != exact
     if bad.any():
@@ -134,6 +149,7 @@ def _prop_rows(compiled: Any, batch: StatsBatch, mask: torch.Tensor) -> None:
         raise ContractViolation(f"request {bi} layer {li} keeps {int(kept[bi, li].sum())} tokens in all, expected "
                                 f"{int(total[bi, li])} ({compiled.policy.spec.allocation!r})")
     comp = composite_keys(compiled.scores(batch).cpu(), batch.lengths.cpu(), compiled.pins(batch).cpu())
+    comp = comp.reshape(b, 1, l_ * h, n) if glob else comp
     m = mask.cpu()
     lo = torch.where(m, comp, torch.full_like(comp, 2**63 - 1)).amin(-1)  # the weakest kept key of a row
     hi = torch.where(~m, comp, torch.full_like(comp, -(2**63))).amax(-1)  # the strongest dropped one

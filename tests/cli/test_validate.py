@@ -64,7 +64,8 @@ def test_shipped_policies_validate_and_every_check_is_shown(examples: int) -> No
         sum(r["status"] == s for r in report["results"]) for s in ("pass", "fail", "skip")]
     assert set(by_policy) == {"h2o", "scissorhands", "random", "streaming_llm", "snapkv", "tova", "knorm", "observed_attention", "keydiff",
         "expected_attention", "chunkkv", "cur", "diverse_hitters",
-        "snap_observed", "ada_snapkv", "ada_expected_attention", "pyramidkv"}
+        "snap_observed", "ada_snapkv", "ada_expected_attention", "pyramidkv",
+        "ada_snap_observed"}
     for checks in by_policy.values():
         assert checks == set(report["checks"])
 
@@ -268,7 +269,8 @@ def test_list_shows_shipped_policies() -> None:
     names = {p["name"] for p in json.loads(res.stdout)}
     assert names == {"h2o", "scissorhands", "random", "streaming_llm", "snapkv", "tova", "knorm", "observed_attention", "keydiff",
         "expected_attention", "chunkkv", "cur", "diverse_hitters",
-        "snap_observed", "ada_snapkv", "ada_expected_attention", "pyramidkv"}
+        "snap_observed", "ada_snapkv", "ada_expected_attention", "pyramidkv",
+        "ada_snap_observed"}
     by_name = {p["name"]: p for p in json.loads(res.stdout)}
     assert by_name["h2o"]["allocation"] == {"kind": "uniform"}
     assert by_name["ada_snapkv"]["allocation"] == {"kind": "adaptive_layer", "floor": 0.2}

@@ -56,8 +56,8 @@ def test_every_shipped_file_is_registered() -> None:
     assert files == {vtoken_policies.path(n).stem for n in vtoken_policies.names()}
     # bench blocks / eval run every shipped policy the runtimes run (unequal budgets: SDK only, for now)
     assert set(ALL_POLICIES) == set(vtoken_policies.uniform())
-    assert set(vtoken_policies.names()) - set(vtoken_policies.uniform()) == {"ada_snapkv", "ada_expected_attention",
-                                                                            "pyramidkv"}
+    assert set(vtoken_policies.names()) - set(vtoken_policies.uniform()) == {
+        "ada_snapkv", "ada_expected_attention", "pyramidkv", "ada_snap_observed"}
 
 
 def readme_policies() -> list[str]:

@@ -11,6 +11,7 @@ from pydantic import ValidationError
 
 from vtoken_sdk.allocation import (
     AdaptiveLayer,
+    GlobalAllocation,
     LayerSchedule,
     Uniform,
     allocate_counts,
@@ -84,7 +85,8 @@ def cases(draw: st.DrawFn) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, to
     return scores, lengths, pins, budget
 
 
-ALLOCATIONS = [Uniform(), AdaptiveLayer(floor=0.0), AdaptiveLayer(floor=0.2), AdaptiveLayer(floor=0.7)]
+ALLOCATIONS = [Uniform(), AdaptiveLayer(floor=0.0), AdaptiveLayer(floor=0.2), AdaptiveLayer(floor=0.7),
+               GlobalAllocation(floor=0.0), GlobalAllocation(floor=0.3)]
 
 
 def _contracts(scores: torch.Tensor, lengths: torch.Tensor, pins: torch.Tensor, budget: torch.Tensor) -> None:
@@ -100,7 +102,7 @@ def _contracts(scores: torch.Tensor, lengths: torch.Tensor, pins: torch.Tensor, 
         assert bool((counts <= lengths[:, None, None]).all())
         # the total is the budget's exactly, unless pins overflow it (then it is reported)
         assert torch.equal(counts.sum((1, 2)), nl * h * k + over)
-        if isinstance(alloc, AdaptiveLayer):
+        if isinstance(alloc, (AdaptiveLayer, GlobalAllocation)):
             floor = torch.where((k > 0) & (alloc.floor > 0), (k.double() * alloc.floor).long().clamp(min=1), 0)
             assert bool((counts >= torch.minimum(floor, lengths)[:, None, None]).all())
         for i in range(b):  # batch invariance: a request alone gets the counts it gets in the batch
@@ -175,3 +177,20 @@ def test_composite_keys_order_pins_scores_padding() -> None:
     pins = torch.tensor([[[[False, True, False, False]]]])
     c = composite_keys(s, torch.tensor([3]), pins)[0, 0, 0]
     assert c[1] > c[2] > c[0] > c[3]  # the pin, then 2.0, then 0.5; index 3 is padding
+
+
+def test_global_allocation_is_one_ranking_over_every_row() -> None:
+    """GlobalAllocation == AdaptiveLayer over the request's L x H rows as one layer; the kept set is the
+    request's top L x H x k keys beyond the floors, so rows of different layers end up with different counts."""
+    g = torch.Generator().manual_seed(3)
+    scores = torch.randn(2, 3, 2, 30, generator=g) * torch.tensor([4.0, 1.0, 0.25])[None, :, None, None]
+    lengths, budget = torch.tensor([30, 22]), torch.tensor([10, 6])
+    pins = torch.zeros(1, 1, 1, 30, dtype=torch.bool)
+    got, over = allocate_counts(scores, lengths, pins, budget, GlobalAllocation(floor=0.0))
+    flat, _ = allocate_counts(scores.reshape(2, 1, 6, 30), lengths, pins, budget, AdaptiveLayer(floor=0.0))
+    assert torch.equal(got.reshape(2, 1, 6), flat) and int(over.sum()) == 0
+    assert got.sum((1, 2)).tolist() == [60, 36] and bool((got.sum(-1)[:, 0] > got.sum(-1)[:, 2]).all())
+    keep = select_counts(scores, lengths, pins, got)
+    for i in range(2):  # the request's top keys: every kept score above every dropped one (no floor, no pins)
+        s, k = scores[i, ..., : int(lengths[i])], keep[i, ..., : int(lengths[i])]
+        assert float(s[k].min()) > float(s[~k].max())

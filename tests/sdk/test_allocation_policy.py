@@ -114,5 +114,18 @@ def test_shipped_unequal_policies_are_what_their_kvpress_twins_run() -> None:
     assert pyr.allocation == vt.Pyramid(beta=20, window=64) and pyr.node == vtoken_policies.load("snapkv").node
     ea = vtoken_policies.load("ada_expected_attention")
     assert ea.allocation == vt.AdaptiveLayer(floor=0.2) and ea.reads == vtoken_policies.load("expected_attention").reads
-    assert set(vtoken_policies.uniform()) == set(vtoken_policies.names()) - {"ada_snapkv", "pyramidkv",
-                                                                           "ada_expected_attention"}
+    assert set(vtoken_policies.uniform()) == set(vtoken_policies.names()) - {
+        "ada_snapkv", "pyramidkv", "ada_expected_attention", "ada_snap_observed"}
+    aso = vtoken_policies.load("ada_snap_observed")
+    assert aso.allocation == vt.AdaptiveLayer(floor=0.2) and aso.node == vtoken_policies.load("snap_observed").node
+
+
+def test_the_validate_check_catches_a_per_layer_mask_under_global_allocation() -> None:
+    """AdaptiveLayer's sets have the right total but not the request-wide top: the global check fails."""
+    g = vt.policy(budget=vt.Budget(ratio=0.5), granularity="head", allocation=vt.GlobalAllocation(floor=0.1))(_score)
+    batch = build_batch(SPEC, ("key_norm",))
+    tp = TorchPolicy(g)
+    prop_budget(tp, batch)
+    per_layer = TorchPolicy(g.configure(allocation=vt.AdaptiveLayer(floor=0.1))).keep_mask(batch)
+    with pytest.raises(ContractViolation, match="ranks above"):
+        prop_budget(_Fixed(tp, per_layer), batch)
