@@ -15,7 +15,7 @@ _HERE = Path(__file__).resolve().parent
 MODULES = {n: "random_evict" if n == "random" else n for n in (
     "h2o", "scissorhands", "random", "streaming_llm", "snapkv", "tova", "knorm", "observed_attention", "keydiff",
     "expected_attention", "chunkkv", "cur", "diverse_hitters", "snap_observed", "ada_snapkv",
-    "ada_expected_attention", "pyramidkv", "ada_snap_observed")}
+    "ada_expected_attention", "pyramidkv", "ada_snap_observed", "duo_attention")}
 
 
 def names() -> list[str]:

@@ -47,6 +47,7 @@ ALLOCATION_CASES: list[tuple[str, dict[str, Any]]] = [
     ("knorm", {"allocation": vt.AdaptiveLayer(floor=0.0), "protect": [vt.sinks(2)]}),
     ("tova", {"allocation": vt.AdaptiveLayer(floor=1.0)}),
     ("h2o", {"allocation": vt.GlobalAllocation(floor=0.1), "protect": [vt.sinks(1), vt.recent(2)]}),
+    ("knorm", {"allocation": vt.HeadClasses(retrieval=((0, 1), (1, 0), (5, 2)), sinks=2, recent=3)}),
     ("snapkv", {"allocation": vt.Pyramid(beta=4, window=2)}),
     ("random", {"allocation": vt.Pyramid(beta=1.5, window=0), "budget": vt.Budget(tokens=5, min_tokens=2)}),
 ]

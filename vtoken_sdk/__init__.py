@@ -7,7 +7,7 @@
         return s.attn_sum
 """
 
-from .allocation import AdaptiveLayer, GlobalAllocation, LayerSchedule, Pyramid, Uniform
+from .allocation import AdaptiveLayer, GlobalAllocation, HeadClasses, LayerSchedule, Pyramid, Uniform
 from .backend import CompiledPolicy, compile_policy
 from .batch import MaskContext, StatsBatch
 from .budget import Budget
@@ -47,7 +47,7 @@ from .selection import select
 from .stats import CATALOG, StatsConfig, TokenStats
 
 __all__ = [
-    "AdaptiveLayer", "GlobalAllocation", "LayerSchedule", "Pyramid", "Uniform",
+    "AdaptiveLayer", "GlobalAllocation", "HeadClasses", "LayerSchedule", "Pyramid", "Uniform",
     "CATALOG", "Budget", "CompiledPolicy", "compile_policy", "MaskContext", "Params", "Policy", "PolicyDefinitionError", "PolicyRuntimeError",
     "PolicySpec", "StatsBatch", "StatsConfig", "TokenStats", "VTokenError", "abs", "avg_pool", "clamp", "exp",
     "head_mean", "isnan", "log", "mask_policy", "max_pool", "maximum", "minimum", "policy", "protect_if", "recent",

@@ -30,6 +30,8 @@ Allocations (``budget`` below is the uniform share of a row, ``k = min(length, b
   the length; what a full layer cannot take is not moved to another).
 * :class:`GlobalAllocation`: :class:`AdaptiveLayer` over all ``L x H`` rows of the request at once (ties to
   the lower row ``layer x H + head``).
+* :class:`HeadClasses` (DuoAttention): listed retrieval rows keep everything, the others sinks + recent
+  (and pins); no counts step (:func:`head_classes_keep`).
 * :class:`Pyramid` (PyramidKV; kvpress ``PyramidKVPress(window_size=window, beta=beta)``): layer ``l``
   keeps ``round(max_num - l x (max_num - min_num) / (L - 1))`` per head, kvpress's ``get_layer_budget``
   with ``q_len x (1 - compression_ratio)`` read as the uniform share ``k`` (equal to kvpress's whenever
@@ -51,8 +53,8 @@ from torch import Tensor
 
 from .selection import _INVALID, _PIN_KEY, _keep_top_k_sorted, ordered_key
 
-__all__ = ["AdaptiveLayer", "Allocation", "GlobalAllocation", "LayerSchedule", "Pyramid", "Uniform",
-           "allocate_counts",
+__all__ = ["AdaptiveLayer", "Allocation", "GlobalAllocation", "HeadClasses", "LayerSchedule", "Pyramid", "Uniform",
+           "allocate_counts", "head_classes_keep",
            "composite_keys", "layer_counts", "pyramid_counts", "select_counts"]
 
 
@@ -125,7 +127,55 @@ class GlobalAllocation(BaseModel):
     floor: Annotated[float, Field(ge=0.0, le=1.0)] = 0.2
 
 
-Allocation = Uniform | AdaptiveLayer | LayerSchedule | Pyramid | GlobalAllocation
+class HeadClasses(BaseModel):
+    """DuoAttention-style static head classes: the ``retrieval`` (layer, KV head) rows keep every token, every
+    other row is a *streaming* row that keeps its ``sinks`` first and ``recent`` last positions (and its
+    pins). Scores and the budget do not choose anything here; a request keeps what the classes give.
+    ``num_layers`` / ``num_kv_heads``: the model the map was made for (rows outside a batch are ignored)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    kind: Literal["head_classes"] = "head_classes"
+    retrieval: tuple[tuple[int, int], ...]
+    sinks: Annotated[int, Field(ge=0)] = 4
+    recent: Annotated[int, Field(ge=0)] = 64
+    num_layers: Annotated[int, Field(ge=1)] | None = None
+    num_kv_heads: Annotated[int, Field(ge=1)] | None = None
+
+    @field_validator("retrieval")
+    @classmethod
+    def _rows(cls, rows: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
+        if any(li < 0 or hi < 0 for li, hi in rows):
+            raise ValueError(f"got retrieval={rows}, expected (layer, kv_head) pairs >= 0")
+        if len(set(rows)) != len(rows):
+            raise ValueError("got a (layer, kv_head) pair twice in retrieval")
+        return tuple(sorted(rows))
+
+    def model_post_init(self, _: object) -> None:
+        bad = [(li, hi) for li, hi in self.retrieval if (self.num_layers is not None and li >= self.num_layers)
+               or (self.num_kv_heads is not None and hi >= self.num_kv_heads)]
+        if bad:
+            raise ValueError(f"got retrieval rows {bad} outside num_layers={self.num_layers}, "
+                             f"num_kv_heads={self.num_kv_heads}")
+
+
+Allocation = Uniform | AdaptiveLayer | LayerSchedule | Pyramid | GlobalAllocation | HeadClasses
+
+
+def head_classes_keep(alloc: HeadClasses, lengths: Tensor, positions: Tensor, seq_lens: Tensor, pins: Tensor,
+                      shape: tuple[int, int, int, int], layer_offset: int = 0) -> Tensor:
+    """Keep mask ``[B, L, H, N]`` of :class:`HeadClasses`: retrieval rows keep every valid token, streaming
+    rows their pins and the positions ``< sinks`` or ``>= seq_len - recent``. ``positions [B, L|1, H|1, N]``
+    true positions, ``seq_lens [B]``; ``layer_offset``: the batch's first layer (layer chunks)."""
+    b, nl, h, n = shape
+    dev = lengths.device
+    valid = torch.arange(n, device=dev) < lengths.to(torch.int64)[:, None, None, None]
+    ret = torch.zeros(nl, h, dtype=torch.bool, device=dev)
+    for li, hi in alloc.retrieval:
+        if layer_offset <= li < layer_offset + nl and hi < h:
+            ret[li - layer_offset, hi] = True
+    pos = positions.to(torch.int64)
+    window = (pos < alloc.sinks) | (pos >= seq_lens.to(torch.int64)[:, None, None, None] - alloc.recent)
+    return (ret[None, :, :, None] | pins | window).expand(b, nl, h, n) & valid
 
 
 def pyramid_counts(pyr: Pyramid, num_layers: int, length: int, k: int) -> list[int]:
@@ -201,6 +251,8 @@ def allocate_counts(scores: Tensor, lengths: Tensor, pins: Tensor, budget: Tenso
             counts[i] = torch.minimum(torch.maximum(per[:, None], npins[i]), lengths[i])
         over = (counts.sum((1, 2)).cpu() - base).clamp(min=0).to(scores.device)
         return counts, over
+    if isinstance(allocation, HeadClasses):
+        raise TypeError("HeadClasses' kept sets come from positions, not counts: use head_classes_keep")
     if isinstance(allocation, GlobalAllocation):  # one "layer" of all L x H rows
         counts, over = allocate_counts(scores.reshape(b, 1, nl * h, n), lengths, pins.reshape(b, 1, nl * h, n),
                                        budget, AdaptiveLayer(floor=allocation.floor))

@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, example, given, settings
 from .allocation import (
     AdaptiveLayer,
     GlobalAllocation,
+    HeadClasses,
     LayerSchedule,
     composite_keys,
     layer_counts,
@@ -171,8 +172,36 @@ def _prop_rows(compiled: Any, batch: StatsBatch, mask: torch.Tensor) -> None:
                                     f"the layer keeps beyond its floor ({compiled.policy.spec.allocation!r})")
 
 
+def _prop_head_classes(compiled: Any, batch: StatsBatch, mask: torch.Tensor) -> None:
+    """HeadClasses (DuoAttention): a retrieval row keeps every token of the request, a streaming row exactly
+    its pins, its first ``sinks`` and its last ``recent`` positions (written out here, row by row)."""
+    alloc = compiled.policy.spec.allocation
+    b, l_, h, n = batch.shape
+    pins = compiled.pins(batch).cpu()
+    pos = batch.positions.cpu().to(torch.int64).expand(b, l_, h, n)
+    retrieval = set(alloc.retrieval)
+    m = mask.cpu()
+    for bi in range(b):
+        length, seq = int(batch.lengths[bi]), int(batch.seq_lens[bi])
+        for li in range(l_):
+            for hi in range(h):
+                want = torch.zeros(n, dtype=torch.bool)
+                if (batch.layer_offset + li, hi) in retrieval:
+                    want[:length] = True
+                else:
+                    p = pos[bi, li, hi, :length]
+                    want[:length] = pins[bi, li, hi, :length] | (p < alloc.sinks) | (p >= seq - alloc.recent)
+                if not torch.equal(m[bi, li, hi], want):
+                    kind = "retrieval" if (batch.layer_offset + li, hi) in retrieval else "streaming"
+                    raise ContractViolation(f"request {bi} layer {li} head {hi} ({kind}) keeps {int(m[bi, li, hi].sum())} "
+                                            f"tokens, expected {int(want.sum())} ({alloc!r})")
+
+
 def prop_budget(compiled: Any, batch: StatsBatch) -> None:
     mask = _mask(compiled, batch)
+    if isinstance(compiled.policy.spec.allocation, HeadClasses):
+        _prop_head_classes(compiled, batch, mask)
+        return
     if not compiled.policy.spec.uniform:
         _prop_rows(compiled, batch, mask)
         return

@@ -28,7 +28,15 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from torch import Tensor
 
 from . import ir
-from .allocation import AdaptiveLayer, Allocation, GlobalAllocation, LayerSchedule, Pyramid, Uniform
+from .allocation import (
+    AdaptiveLayer,
+    Allocation,
+    GlobalAllocation,
+    HeadClasses,
+    LayerSchedule,
+    Pyramid,
+    Uniform,
+)
 from .budget import Budget
 from .errors import PolicyDefinitionError, traceback_line_in_file
 from .protect import Predicate, Rule, flatten
@@ -253,7 +261,7 @@ def _pydantic_message(e: ValidationError) -> str:
     return "; ".join(parts)
 
 
-ALLOCATIONS = (Uniform, AdaptiveLayer, LayerSchedule, Pyramid, GlobalAllocation)
+ALLOCATIONS = (Uniform, AdaptiveLayer, LayerSchedule, Pyramid, GlobalAllocation, HeadClasses)
 
 
 def _check_allocation(allocation: Any, granularity: Any, kind: str, file: str, line: int) -> None:

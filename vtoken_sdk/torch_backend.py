@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from . import ir
-from .allocation import allocate_counts, select_counts
+from .allocation import HeadClasses, allocate_counts, head_classes_keep, select_counts
 from .batch import MaskContext, StatsBatch
 from .errors import PolicyRuntimeError
 from .protect import AnyOf, Predicate, Recent, Rule, Sinks, Span
@@ -407,6 +407,10 @@ class TorchPolicy:
         if self.policy.kind == "mask":
             return self._custom_mask(batch, env, pins, budget)
         scores = self.scores(batch, env)
+        alloc = self.policy.spec.allocation
+        if isinstance(alloc, HeadClasses):  # positions decide, not scores
+            return head_classes_keep(alloc, batch.lengths, batch.positions, batch.seq_lens, pins, (b, l_, h, n),
+                                     batch.layer_offset)
         if not self.policy.spec.uniform:  # unequal budgets: counts per row, then each row's top (allocation)
             counts = self.counts(batch, scores, pins, budget)
             return select_counts(scores, batch.lengths, pins, counts)
@@ -426,7 +430,11 @@ class TorchPolicy:
         scores = self.scores(batch, env) if scores is None else scores
         pins = self.pins(batch, env) if pins is None else pins
         budget = self.budgets(batch) if budget is None else budget
-        counts, _ = allocate_counts(scores, batch.lengths, pins, budget, self.policy.spec.allocation)
+        alloc = self.policy.spec.allocation
+        if isinstance(alloc, HeadClasses):
+            return head_classes_keep(alloc, batch.lengths, batch.positions, batch.seq_lens, pins, tuple(batch.shape),
+                                     batch.layer_offset).sum(-1)
+        counts, _ = allocate_counts(scores, batch.lengths, pins, budget, alloc)
         return counts
 
     def contract_violations(self, batch: StatsBatch, mask: Tensor) -> list[str | None]:

@@ -13,7 +13,8 @@
 A policy with unequal allocation (``allocation=vt.AdaptiveLayer(...)``, ...) first gets its per-row counts
 ``[B, L*H]`` from the allocation step (``vtoken_sdk.allocation.allocate_counts``, torch ops on the device
 over this backend's scores, which equal the reference's bit for bit), then the same ``select_kernel`` with
-``PER_ROW=True`` keeps each row's own count.
+``PER_ROW=True`` keeps each row's own count. ``vt.HeadClasses`` (DuoAttention) does not rank at all: its
+kept sets come from positions and pins, computed by the torch reference's ops on the device.
 
 ``R_OUT`` = ``L*H`` at head granularity, 1 at request granularity (the kernel then writes the same
 row to every (layer, head)). Policies with token reductions (``vt.token_*``, ``vt.softmax``) first run
@@ -43,6 +44,7 @@ import torch
 from torch import Tensor
 
 from . import codegen_triton
+from .allocation import HeadClasses
 from .batch import StatsBatch
 from .ir import TOKEN_LANES
 from .torch_backend import TorchPolicy
@@ -239,6 +241,8 @@ class TritonPolicy:
         out = torch.zeros((b, l_, h, n), dtype=torch.bool, device=dev)
         if b == 0 or n == 0 or l_ * h == 0:
             return out
+        if isinstance(self.policy.spec.allocation, HeadClasses):  # positions and pins decide, not scores: the
+            return self.torch.keep_mask(batch)  # same torch ops on the device (vtoken_sdk.allocation)
         args, has_pinned, lengths, seq = self._launch_inputs(batch)
         budget = self.budgets(batch).to(device=dev, dtype=torch.int64).clamp(min=0, max=2**31 - 1).contiguous()
         r_out = 1 if self.generated.granularity == "request" else l_ * h

@@ -65,7 +65,7 @@ def test_shipped_policies_validate_and_every_check_is_shown(examples: int) -> No
     assert set(by_policy) == {"h2o", "scissorhands", "random", "streaming_llm", "snapkv", "tova", "knorm", "observed_attention", "keydiff",
         "expected_attention", "chunkkv", "cur", "diverse_hitters",
         "snap_observed", "ada_snapkv", "ada_expected_attention", "pyramidkv",
-        "ada_snap_observed"}
+        "ada_snap_observed", "duo_attention"}
     for checks in by_policy.values():
         assert checks == set(report["checks"])
 
@@ -270,7 +270,7 @@ def test_list_shows_shipped_policies() -> None:
     assert names == {"h2o", "scissorhands", "random", "streaming_llm", "snapkv", "tova", "knorm", "observed_attention", "keydiff",
         "expected_attention", "chunkkv", "cur", "diverse_hitters",
         "snap_observed", "ada_snapkv", "ada_expected_attention", "pyramidkv",
-        "ada_snap_observed"}
+        "ada_snap_observed", "duo_attention"}
     by_name = {p["name"]: p for p in json.loads(res.stdout)}
     assert by_name["h2o"]["allocation"] == {"kind": "uniform"}
     assert by_name["ada_snapkv"]["allocation"] == {"kind": "adaptive_layer", "floor": 0.2}

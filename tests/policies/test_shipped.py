@@ -57,7 +57,7 @@ def test_every_shipped_file_is_registered() -> None:
     # bench blocks / eval run every shipped policy the runtimes run (unequal budgets: SDK only, for now)
     assert set(ALL_POLICIES) == set(vtoken_policies.uniform())
     assert set(vtoken_policies.names()) - set(vtoken_policies.uniform()) == {
-        "ada_snapkv", "ada_expected_attention", "pyramidkv", "ada_snap_observed"}
+        "ada_snapkv", "ada_expected_attention", "pyramidkv", "ada_snap_observed", "duo_attention"}
 
 
 def readme_policies() -> list[str]:

@@ -115,7 +115,7 @@ def test_shipped_unequal_policies_are_what_their_kvpress_twins_run() -> None:
     ea = vtoken_policies.load("ada_expected_attention")
     assert ea.allocation == vt.AdaptiveLayer(floor=0.2) and ea.reads == vtoken_policies.load("expected_attention").reads
     assert set(vtoken_policies.uniform()) == set(vtoken_policies.names()) - {
-        "ada_snapkv", "pyramidkv", "ada_expected_attention", "ada_snap_observed"}
+        "ada_snapkv", "pyramidkv", "ada_expected_attention", "ada_snap_observed", "duo_attention"}
     aso = vtoken_policies.load("ada_snap_observed")
     assert aso.allocation == vt.AdaptiveLayer(floor=0.2) and aso.node == vtoken_policies.load("snap_observed").node
 

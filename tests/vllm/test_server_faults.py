@@ -43,6 +43,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 EXIT_S = 30  # the server must be gone this long after a fault
 CLIENT_S = 60  # and every client call must have returned by then
 GRACE_S = 2  # a call that completes this soon after a SIGKILL had its last token before it
+LONG_TOKENS = 1800  # tokens each call of the tiny server's load generates (about 40 s: the kill comes first)
 LONG_FROM = 200  # the flaky policy raises for a request that has processed this many tokens
 
 
@@ -75,8 +76,10 @@ def _tiny_args(model: Path, tp: int) -> list[str]:
     from vtoken_bench.serve_engine import kv_bytes
 
     tp_args = ["--tensor-parallel-size", str(tp), "--distributed-executor-backend", "mp"] if tp > 1 else []
-    return ["--policy", "h2o", "--max-model-len", "512", "--block-size", "32", "--max-num-seqs", "8",
-            "--enforce-eager", "--dtype", "float32", "--kv-cache-memory-bytes", str(kv_bytes(str(model), 64, 32)),
+    # long enough that no call can complete before the kill (CI stops 45 and 46: 400 tokens took 8.7 s, and
+    # on a busy machine the kill came after all three); 3 x (60 + 1800) tokens fit the 256 blocks of 32
+    return ["--policy", "h2o", "--max-model-len", "2048", "--block-size", "32", "--max-num-seqs", "8",
+            "--enforce-eager", "--dtype", "float32", "--kv-cache-memory-bytes", str(kv_bytes(str(model), 256, 32)),
             *tp_args]
 
 
@@ -145,7 +148,7 @@ def _kill_while_serving(srv: Server, victim: Callable[[dict[int, str]], int]) ->
     that every call still in flight at the kill returned an error within the bound (a call that completed
     before the kill must be a 200; at least one must have been in flight), that the server exited non-zero
     within ``EXIT_S`` and left nothing behind; returns the calls' results."""
-    load = Load(srv, 3, 400)
+    load = Load(srv, 3, LONG_TOKENS)
     load.wait_running()
     procs = session_processes(srv.proc.pid)
     pid = victim(procs)
