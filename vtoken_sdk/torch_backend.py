@@ -406,11 +406,11 @@ class TorchPolicy:
         budget = self.budgets(batch)
         if self.policy.kind == "mask":
             return self._custom_mask(batch, env, pins, budget)
-        scores = self.scores(batch, env)
         alloc = self.policy.spec.allocation
         if isinstance(alloc, HeadClasses):  # positions decide, not scores
             return head_classes_keep(alloc, batch.lengths, batch.positions, batch.seq_lens, pins, (b, l_, h, n),
                                      batch.layer_offset)
+        scores = self.scores(batch, env)
         if not self.policy.spec.uniform:  # unequal budgets: counts per row, then each row's top (allocation)
             counts = self.counts(batch, scores, pins, budget)
             return select_counts(scores, batch.lengths, pins, counts)
