@@ -33,22 +33,28 @@ def masks(
     batch: Annotated[int, typer.Option(help="requests per batch")] = 8,
     layers: Annotated[int, typer.Option(help="layers")] = 4,
     heads: Annotated[int, typer.Option(help="KV heads per layer")] = 3,
+    head_dim: Annotated[int, typer.Option(min=1, help="D of the vector statistics (keys, values, queries)")] = 64,
+    groups: Annotated[int, typer.Option(min=1, help="query heads per KV head")] = 3,
     repeats: Annotated[int, typer.Option(min=1)] = 3,
     as_json: Annotated[Path | None, typer.Option("--json", help="write results to this file")] = None,
 ) -> None:
-    """Keep masks of every shipped policy on synthetic statistics: kept fraction and torch time."""
+    """Keep masks of every shipped policy on synthetic statistics: kept fraction and torch time (the vector
+    statistics, keys, values and query summaries, for the policies that read them)."""
     import torch
 
     import vtoken_policies
     from vtoken_sdk.batch import StatsBatch
-    from vtoken_sdk.stats import STORED_STATS
+    from vtoken_sdk.stats import STORED_STATS, VECTOR_STATS
+    from vtoken_sdk.strategies import BatchSpec, build_vectors
 
     g = torch.Generator().manual_seed(0)
     stats = {s: torch.rand(batch, layers, heads, n, generator=g) for s in STORED_STATS}
     lengths = torch.full((batch,), n)
     seq = torch.full((batch,), n)
+    spec = BatchSpec(batch, layers, heads, n, tuple([n] * batch), tuple([0] * batch), "continuous", 0, False, (),
+                     None, head_dim=head_dim, groups=groups)
     sb = StatsBatch(stats=stats, lengths=lengths, positions=StatsBatch.contiguous_positions(lengths, n, seq),
-                    seq_lens=seq)
+                    seq_lens=seq, vectors=build_vectors(spec, tuple(VECTOR_STATS)), head_dim=head_dim)
     rows = []
     for name in vtoken_policies.names():
         pol = vtoken_policies.load(name)
@@ -59,13 +65,15 @@ def masks(
             mask = comp.keep_mask(sb)
         dt = (time.perf_counter() - t0) / repeats
         kept = mask.float().mean().item()
-        rows.append({"policy": name, "granularity": pol.granularity, "kept_fraction": round(kept, 4),
+        rows.append({"policy": name, "granularity": pol.granularity, "allocation": pol.allocation.kind,
+                     "kept_fraction": round(kept, 4),
                      "ms_per_call": round(dt * 1e3, 2), "tokens": batch * layers * heads * n})
     table = Table(title=f"keep masks on synthetic stats [B={batch}, L={layers}, H={heads}, N={n}] (torch reference)")
-    for c in ("policy", "granularity", "kept_fraction", "ms_per_call"):
+    cols = ("policy", "granularity", "allocation", "kept_fraction", "ms_per_call")
+    for c in cols:
         table.add_column(c)
     for r in rows:
-        table.add_row(*(str(r[c]) for c in ("policy", "granularity", "kept_fraction", "ms_per_call")))
+        table.add_row(*(str(r[c]) for c in cols))
     out.print(table)
     if as_json:
         as_json.parent.mkdir(parents=True, exist_ok=True)

@@ -280,3 +280,18 @@ def test_bench_serve_rejects_a_bad_when() -> None:
 def test_bench_serve_rejects_a_bad_slack(bad: str) -> None:
     res = runner.invoke(app, ["bench", "serve", "--slack", bad])
     assert res.exit_code == 2 and "bad option value" in res.output and "slack" in res.output
+
+
+def test_bench_masks_runs_every_shipped_policy_vector_statistics_included(tmp_path: Path) -> None:
+    """Policies that read keys, values or query summaries get them too (it used to stop at keydiff with a
+    traceback); the unequal allocations keep what their classes say."""
+    import vtoken_policies
+
+    out = tmp_path / "masks.json"
+    res = runner.invoke(app, ["bench", "masks", "--n", "256", "--batch", "1", "--layers", "2", "--heads", "2",
+                              "--head-dim", "8", "--groups", "2", "--repeats", "1", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    rows = {r["policy"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == set(vtoken_policies.names())
+    assert rows["ada_snapkv"]["allocation"] == "adaptive_layer" and rows["h2o"]["allocation"] == "uniform"
+    assert rows["keydiff"]["kept_fraction"] == 0.5 and rows["ada_snapkv"]["kept_fraction"] == 0.5
