@@ -30,6 +30,11 @@ NUMPY_HINT = ("write the score with torch or vt ops: np.log(x) -> x.log() or tor
 _NUMPY_ATTR = re.compile(r"\.(__array\w*__|numpy)\(\)")
 
 
+
+# the SDK's frozen settings models a policy file constructs: a ValidationError names the one that refused
+_SDK_MODELS = ("Budget", "StatsConfig", "Uniform", "AdaptiveLayer", "LayerSchedule", "Pyramid", "GlobalAllocation",
+               "HeadClasses")
+
 def _numpy_message(e: PolicyDefinitionError) -> str | None:
     """``numpy cannot be traced: ...`` when tracing a score failed because it called numpy, else None.
 
@@ -104,7 +109,9 @@ def load_policy_file(path: str | Path) -> LoadedFile:
     except ValidationError as e:
         out.error = PolicyDefinitionError(_pydantic_message(e), file=shown,
                                           line=traceback_line_in_file(e.__traceback__, real), check="definition",
-                                          hint="see vtoken_sdk.Budget / vt.StatsConfig for valid values")
+                                          hint=f"see vtoken_sdk.{e.title} for valid values"
+                                          if e.title in _SDK_MODELS else
+                                          "see vtoken_sdk.Budget / vt.StatsConfig for valid values")
         return out
     except BaseException as e:  # noqa: BLE001 - anything the file does at import is reported, not raised
         if isinstance(e, KeyboardInterrupt):

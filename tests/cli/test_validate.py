@@ -304,3 +304,13 @@ def test_crash_line_found_when_a_library_replaced_the_crash_handler(tmp_path: Pa
             faulthandler.enable()
     assert res.exit_code == 1
     assert f"error {f}:2: the process loading the file was killed by SIGSEGV\n" in res.stderr, res.stderr
+
+
+def test_a_bad_allocation_names_its_model_and_field() -> None:
+    path = Path(__file__).parent / "malformed" / "bad_allocation_floor.py"
+    res = runner.invoke(app, ["validate", str(path)])
+    assert res.exit_code == 1
+    assert "AdaptiveLayer.floor" in res.stderr and "hint: see vtoken_sdk.AdaptiveLayer" in res.stderr
+    path = Path(__file__).parent / "malformed" / "allocation_per_request.py"
+    res = runner.invoke(app, ["validate", str(path)])
+    assert res.exit_code == 1 and "expected granularity='head'" in res.stderr
