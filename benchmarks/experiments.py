@@ -38,22 +38,22 @@ def load_named_policy(name: str) -> Any:
     (``vtoken_runtime.eviction.refuse_unequal``), before anything runs."""
     from vtoken_runtime.eviction import refuse_unequal
 
-    if not name.endswith(".py"):
+    if name.endswith(".py"):
+        from vtoken_sdk.loader import load_policy_file
+
+        lf = load_policy_file(name)
+        if lf.error is not None:
+            raise ValueError(lf.error.render())
+        if len(lf.policies) != 1:
+            raise ValueError(f"{name}: defines {len(lf.policies)} policies "
+                             f"({', '.join(p.name for p in lf.policies)}); expected one per file")
+        pol = lf.policies[0]
+    else:
         import vtoken_policies
 
         pol = vtoken_policies.load(name)
-        refuse_unequal(pol)
-        return pol
-    from vtoken_sdk.loader import load_policy_file
-
-    lf = load_policy_file(name)
-    if lf.error is not None:
-        raise ValueError(lf.error.render())
-    if len(lf.policies) != 1:
-        raise ValueError(f"{name}: defines {len(lf.policies)} policies ({', '.join(p.name for p in lf.policies)}); "
-                         "expected one per file")
-    refuse_unequal(lf.policies[0])
-    return lf.policies[0]
+    refuse_unequal(pol)
+    return pol
 
 
 def configured_policy(name: str, eviction_ratio: float) -> Any:

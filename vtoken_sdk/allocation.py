@@ -45,7 +45,7 @@ Shapes: ``scores [B, L, H, N]`` float, ``lengths [B]`` int, ``pins [B, L, H, N]`
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -53,7 +53,7 @@ from torch import Tensor
 
 from .selection import _INVALID, _PIN_KEY, _keep_top_k_sorted, ordered_key
 
-__all__ = ["AdaptiveLayer", "Allocation", "GlobalAllocation", "HeadClasses", "LayerSchedule", "Pyramid", "Uniform",
+__all__ = ["ALLOCATIONS", "AdaptiveLayer", "Allocation", "GlobalAllocation", "HeadClasses", "LayerSchedule", "Pyramid", "Uniform",
            "allocate_counts", "head_classes_keep",
            "composite_keys", "layer_counts", "pyramid_counts", "select_counts"]
 
@@ -159,6 +159,7 @@ class HeadClasses(BaseModel):
 
 
 Allocation = Uniform | AdaptiveLayer | LayerSchedule | Pyramid | GlobalAllocation | HeadClasses
+ALLOCATIONS: tuple[type[BaseModel], ...] = get_args(Allocation)  # the models, for isinstance and messages
 
 
 def head_classes_keep(alloc: HeadClasses, lengths: Tensor, positions: Tensor, seq_lens: Tensor, pins: Tensor,

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from .allocation import ALLOCATIONS
 from .errors import PolicyDefinitionError, traceback_line_in_file
 from .policy import Policy, _pydantic_message
 
@@ -29,11 +30,9 @@ NUMPY_HINT = ("write the score with torch or vt ops: np.log(x) -> x.log() or tor
 
 _NUMPY_ATTR = re.compile(r"\.(__array\w*__|numpy)\(\)")
 
-
-
 # the SDK's frozen settings models a policy file constructs: a ValidationError names the one that refused
-_SDK_MODELS = ("Budget", "StatsConfig", "Uniform", "AdaptiveLayer", "LayerSchedule", "Pyramid", "GlobalAllocation",
-               "HeadClasses")
+_SDK_MODELS = ("Budget", "StatsConfig", *(a.__name__ for a in ALLOCATIONS))
+
 
 def _numpy_message(e: PolicyDefinitionError) -> str | None:
     """``numpy cannot be traced: ...`` when tracing a score failed because it called numpy, else None.

@@ -28,15 +28,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from torch import Tensor
 
 from . import ir
-from .allocation import (
-    AdaptiveLayer,
-    Allocation,
-    GlobalAllocation,
-    HeadClasses,
-    LayerSchedule,
-    Pyramid,
-    Uniform,
-)
+from .allocation import ALLOCATIONS, Allocation, Uniform
 from .budget import Budget
 from .errors import PolicyDefinitionError, traceback_line_in_file
 from .protect import Predicate, Rule, flatten
@@ -259,9 +251,6 @@ def _pydantic_message(e: ValidationError) -> str:
         where = f"{e.title}.{loc}" if loc else e.title
         parts.append(f"{where}: {err.get('msg')} (got {err.get('input')!r})")
     return "; ".join(parts)
-
-
-ALLOCATIONS = (Uniform, AdaptiveLayer, LayerSchedule, Pyramid, GlobalAllocation, HeadClasses)
 
 
 def _check_allocation(allocation: Any, granularity: Any, kind: str, file: str, line: int) -> None:
