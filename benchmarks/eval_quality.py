@@ -109,8 +109,12 @@ def run_eval(policies: tuple[str, ...] = ALL_POLICIES, ratios: tuple[float, ...]
         raise ValueError(f"when={when!r}; expected 'prefill' (evict once the prompt is complete) or 'chunks'")
     if not protocols or any(p not in PROTOCOLS for p in protocols):
         raise ValueError(f"protocols={list(protocols)!r}; expected one or both of {list(PROTOCOLS)}")
+    from vtoken_runtime.eviction import refuse_unequal
+
     for p in policies:  # a bad policy file fails here, before the model loads (ValueError with file:line)
-        configured_policy(p, ratios[0] if ratios else 0.5)
+        pol = configured_policy(p, ratios[0] if ratios else 0.5)
+        if when == "chunks":  # per-row pages take a request once, after prefill
+            refuse_unequal(pol, pol.budget.override(when="chunks"), rows=True)
     setup_torch()
     t0 = time.perf_counter()
     model, tok = load_model()

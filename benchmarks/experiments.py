@@ -34,8 +34,9 @@ class Config:
 def load_named_policy(name: str) -> Any:
     """A shipped policy by name, or the policy defined in a policy file (``name`` ending in ``.py``; the file
     must define exactly one), for the benchmarks that run the HF session. A bad file raises ``ValueError``
-    with the loader's file:line message; so does a policy with unequal allocation, which the session refuses
-    (``vtoken_runtime.eviction.refuse_unequal``), before anything runs."""
+    with the loader's file:line message; so does a policy with unequal allocation that the session's per-row
+    pages cannot take (one evicting after decode steps: ``vtoken_runtime.eviction.refuse_unequal``), before
+    anything runs."""
     from vtoken_runtime.eviction import refuse_unequal
 
     if name.endswith(".py"):
@@ -52,7 +53,7 @@ def load_named_policy(name: str) -> Any:
         import vtoken_policies
 
         pol = vtoken_policies.load(name)
-    refuse_unequal(pol)
+    refuse_unequal(pol, rows=True)
     return pol
 
 

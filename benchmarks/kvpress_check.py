@@ -37,10 +37,9 @@ lagkv               none                                      not expressible (`
                                                               peer runs, there is no pair
 ==================  ========================================  =======================================
 
-The unequal-budget pairs (``UNEQUAL``) compare kept sets only: the HF session refuses them until per-row
-pages exist (docs/decisions.md, decision 8), so vtoken's side is the policy's keep mask over the session's
-statistics after an uncompressed prefill, and no greedy text is compared (``greedy_equal: None``, shown as
-SKIP).
+The unequal-budget pairs (``UNEQUAL``) run the same way: the HF session hands the request to per-row pages
+at its eviction (docs/decisions.md, decision 8), the kept sets are the ones it recorded, and the greedy text
+is compared with kvpress's (which masks the evicted keys in a full cache: the same attention, other memory).
 """
 
 from __future__ import annotations
@@ -146,15 +145,13 @@ def run_vtoken(model: Any, press: str, ratio: float, context: list[int], questio
     n = len(context)
     policy = vtoken_policy(policy_name or press, press, n)
     budget = kvpress_budget(press, n, ratio)
-    if not policy.spec.uniform:
-        kept = keep_sets_unequal(model, policy, context, budget)
-        return {"kept_indices": kept, "generated_ids": None, "n_kept": sum(len(h) for lk in kept for h in lk),
-                "failures": []}
     s = HFSession(model, block_size=16, num_blocks=-(-(n + len(question) + max_new) // 16) + 4, granularity="head",
-                  stat_names=tuple(policy.stored_reads), max_requests=2, chunk_size=max(n, 1), policies=[policy])
+                  stat_names=tuple(policy.stored_reads), max_requests=2, chunk_size=max(n, 1), policies=[policy],
+                  record_keeps=True)
     s.add("r", policy, budget=budget)
     logits = s.prefill(["r"], [context])  # one chunk, then one eviction (phase "prefill")
-    kept_pos, _ = s.cache.live_view("r")  # [L * H, n_kept] ascending
+    log = s.requests["r"].keep_log  # [(n, kept positions per (layer, KV head) row, ascending)]
+    kept_pos = list(log[0][1]) if log else list(s.cache.live_view("r")[0])
     logits = s.forward(["r"], [question])
     gen: list[int] = []
     for step in range(max_new):
@@ -166,7 +163,8 @@ def run_vtoken(model: Any, press: str, ratio: float, context: list[int], questio
     kept = [[kept_pos[li * H + h].tolist() for h in range(H)] for li in range(L)]
     failures = s.requests["r"].failures
     s.cache.close()
-    return {"kept_indices": kept, "generated_ids": gen, "n_kept": budget, "failures": failures}
+    n_kept = budget if policy.spec.uniform else sum(len(h) for lk in kept for h in lk)
+    return {"kept_indices": kept, "generated_ids": gen, "n_kept": n_kept, "failures": failures}
 
 
 def compare(press: str, ratio: float, context: list[int], question: list[int], max_new: int, model: Any,

@@ -83,7 +83,8 @@ def masks(
 @bench_app.command("blocks")
 def blocks(
     quick: Annotated[bool, typer.Option("--quick", help="one 512-token request, 256 decode steps (< 3 min)")] = False,
-    policies: Annotated[str, typer.Option(help="comma-separated shipped policies")] = ",".join(ALL_POLICIES),
+    policies: Annotated[str, typer.Option(help="comma-separated shipped policies (unequal budgets too: ada_snapkv, "
+                                                "pyramidkv, duo_attention, ...)")] = ",".join(ALL_POLICIES),
     ratios: Annotated[str, typer.Option(help="comma-separated eviction ratios")] = "0.3,0.5,0.7",
     block_sizes: Annotated[str, typer.Option(help="comma-separated block sizes (first one runs the real cache)")]
     = "16,32,48",
@@ -122,6 +123,17 @@ def blocks(
                       "-" if r["tokens_moved_per_reclaimed_block"] is None
                       else f"{r['tokens_moved_per_reclaimed_block']:.1f}")
     out.print(table)
+    rows_tab = [r for r in result["rows"] if "blocks_max_row" in r]
+    if rows_tab:  # policies with unequal budgets per row: per-row pages (issue 38)
+        t2 = Table(title="unequal budgets in per-row pages: held vs the designs' bounds (mean blocks per request)")
+        for c in ("policy", "evict", "bs", "vtoken", "ideal (per layer)", "ideal (pages)", "max row (shared list)",
+                  "row tokens min-max"):
+            t2.add_column(c, justify="right")
+        for r in rows_tab:
+            t2.add_row(r["policy"], f"{r['eviction_ratio']:.1f}", str(r["block_size"]), f"{r['blocks_vtoken']:.1f}",
+                       f"{r['blocks_ideal']:.1f}", f"{r['blocks_ideal_pages']:.1f}", f"{r['blocks_max_row']:.1f}",
+                       f"{r['rows_live_min']}-{r['rows_live_max']}")
+        out.print(t2)
     at = [r for r in result["rows"] if r["eviction_ratio"] == 0.5 and r["block_size"] == 16]
     if at:
         out.print("reduction vs Naive-Evict at eviction ratio 0.5, block size 16: " + ", ".join(

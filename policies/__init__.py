@@ -23,9 +23,9 @@ def names() -> list[str]:
 
 
 def uniform() -> list[str]:
-    """The shipped policies whose every (layer, KV head) row keeps the same number of tokens: those the
-    runtimes (HF session, vLLM) run today. The others (``allocation=``: AdaKV, PyramidKV) select in the SDK;
-    the runtimes refuse them by name until their per-row pages exist (issue 38). Imports every policy."""
+    """The shipped policies whose every (layer, KV head) row keeps the same number of tokens: those the vLLM
+    plugin runs. The others (``allocation=``: AdaKV, PyramidKV, DuoAttention) run in the HF session's per-row
+    pages; vLLM refuses them by name until issue 39. Imports every policy."""
     return [n for n in MODULES if load(n).spec.uniform]
 
 

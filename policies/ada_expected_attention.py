@@ -5,7 +5,8 @@ Feng et al., Ada-KV (arXiv:2407.11550) over Devoto et al., Expected Attention (a
 the shipped ``expected_attention``'s with kvpress's ``epsilon`` added to the attention before the value
 norm (``(a + 1e-2) x ||v||``: a head whose attention is spread thin still ranks its tokens by their
 values); the allocation (``vt.AdaptiveLayer(floor=0.2)``) keeps ``H x budget`` tokens per layer, each head
-first its own top ``max(1, int(0.2 x budget))``, the rest to the layer's highest scores. Sinks pinned.
+first its own top ``max(1, int(0.2 x budget))``, the rest to the layer's highest scores. Sinks pinned;
+evicts once, after prefill (kvpress compresses the prefill).
 """
 
 import vtoken_sdk as vt
@@ -13,7 +14,7 @@ import vtoken_sdk as vt
 SINKS, EPSILON = 4, 1e-2
 
 
-@vt.policy(budget=vt.Budget(ratio=0.5), protect=[vt.sinks(SINKS)], granularity="head",
+@vt.policy(budget=vt.Budget(ratio=0.5, when="prefill"), protect=[vt.sinks(SINKS)], granularity="head",
            stats=vt.StatsConfig(obs_window=64, future_window=512), allocation=vt.AdaptiveLayer(floor=0.2))
 def ada_expected_attention(s: vt.TokenStats):
     d = s.head_dim

@@ -122,6 +122,8 @@ class VTokenCache(CacheQueries):
         self._deferred: list[tuple[str, torch.Tensor, torch.Tensor]] = []
         self.tokens_moved_total = self.tokens_evicted_total = self.blocks_freed_total = self.preemptions = 0
         self.last_reclaim = ReclaimStats()
+        # other owners of this pool's blocks (the HF adapter's per-row pages): the POOL check counts theirs too
+        self._pool_holders: list[Callable[[], Iterable[int]]] = []
 
     # ================================================================ request lifecycle
     def add_request(self, req_id: ReqId, pinned_positions: Iterable[int] | np.ndarray | None = None) -> int | None:
@@ -161,6 +163,19 @@ class VTokenCache(CacheQueries):
         self.pool.free(st.blocks)
         self._check()
         return len(st.blocks)
+
+    def release(self, req_id: ReqId) -> list[int]:
+        """Hand a request's blocks to another owner of this pool (per-row pages, issue 38): the request leaves
+        the token table and its blocks stay allocated (refcount 1), now the caller's to free. Fences first,
+        so no copy still targets them."""
+        self.fence()
+        st = self.table.remove(req_id)
+        return list(st.blocks)
+
+    def add_pool_holder(self, held: Callable[[], Iterable[int]]) -> None:
+        """Register another owner of this pool's blocks (``held()``: the ids it holds, one per reference), so
+        the POOL invariant (:meth:`check_invariants`) counts them."""
+        self._pool_holders.append(held)
 
     def preempt(self, req_id: ReqId) -> int:
         """Drop a request for recompute: frees everything; it may be added again under the same id."""

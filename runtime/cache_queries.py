@@ -4,7 +4,7 @@ Nothing here changes bookkeeping; reads of tensors fence first (I3)."""
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -25,6 +25,7 @@ class CacheQueries:
     store: SlotStore
     pool: BlockPool
     _kv: list[tuple[Any, Any] | None]  # views; element-map readers or None: a layout without views (amx)
+    _pool_holders: list[Callable[[], Iterable[int]]]  # other owners of the pool's blocks (add_pool_holder)
     num_layers: int
     num_kv_heads: int
     head_size: int
@@ -215,7 +216,8 @@ class CacheQueries:
 
     def check_invariants(self) -> None:
         """Full bookkeeping check (POOL, I2, I3 mirror, PINS, mode-specific block counts). O(tokens)."""
-        self.pool.check(held=[b for st in self.table.requests.values() for b in st.blocks])
+        others = [b for held in self._pool_holders for b in held()]
+        self.pool.check(held=[b for st in self.table.requests.values() for b in st.blocks] + others)
         for st in self.table.requests.values():
             self.table.check_request(st, self.mode)
 

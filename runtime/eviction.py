@@ -18,7 +18,10 @@
                   Runtime faults are not the policy's and propagate (``_debug.runtime_fault``: a broken
                   invariant, out of memory, a device error): the step cannot go on over a state nobody
                   can trust
-      4. apply    cache.apply_keep_mask (and every follower cache: the HF adapter's ``follower_block_sizes``)
+      4. apply    cache.apply_keep_mask (and every follower cache: the HF adapter's ``follower_block_sizes``);
+                  a policy with unequal budgets per row (``allocation=``) hands the request to the adapter's
+                  per-row pages instead (``handoff``: the HF adapter's :class:`~vtoken_runtime.row_cache.RowCache`),
+                  once, after prefill: it evicts no more (``TrackedRequest.in_rows``)
       5. reclaim  cache.reclaim(evicted requests): plan, commit, free tail blocks, async copy
       6. report   StepReport: per request evicted tokens / failure, the reclaim's figures, timings
 
@@ -56,11 +59,13 @@ class TrackedRequest:
     policy: Policy | None
     budget: Budget | None
     failures: list[str] = field(default_factory=list)  # the first one disables eviction for the request
-    keep_log: list[tuple[int, np.ndarray]] = field(default_factory=list)  # (logical_len, kept positions [R, n])
+    # (logical_len, kept positions [R, n]; a list of R arrays for a request handed to per-row pages)
+    keep_log: list[tuple[int, np.ndarray | list[np.ndarray]]] = field(default_factory=list)
+    in_rows: bool = False  # handed to per-row pages (unequal budgets): evicts no more
 
     @property
     def evicts(self) -> bool:
-        return self.policy is not None and not self.failures
+        return self.policy is not None and not self.failures and not self.in_rows
 
 
 @dataclass
@@ -93,18 +98,39 @@ class Collective(Protocol):
         ...
 
 
+class Handoff(Protocol):
+    """Moves a request and its unequal keep mask ``[R, n_live]`` out of the uniform cache into per-row pages;
+    returns the row-tokens evicted. ValueError: refused, nothing changed."""
+
+    def __call__(self, req_id: ReqId, keep: np.ndarray) -> int: ...
+
+
 COUNTERS = ("evictions", "tokens_evicted", "tokens_moved", "blocks_freed", "policy_failures")
 
 
-def refuse_unequal(policy: Policy | None) -> None:
-    """ValueError for a policy whose rows keep unequal numbers of tokens: the token table keeps one length per
-    request (docs/decisions.md, decision 4) until per-row pages exist (decision 8, issue 38)."""
-    if policy is not None and not policy.spec.uniform:
-        raise ValueError(f"policy {policy.name!r} has allocation={policy.spec.allocation!r} (unequal budgets per "
-                         "(layer, KV head) row); this runtime keeps one length per request and runs only "
-                         "allocation=vt.Uniform() until per-row pages land (docs/decisions.md, decision 8). "
-                         "The SDK selects with it (`vtoken-cli validate`, `policy.keep_mask`); to serve it now, "
-                         "configure(allocation=vt.Uniform())")
+def refuse_unequal(policy: Policy | None, budget: Budget | None = None, rows: bool = False) -> None:
+    """ValueError for a policy whose rows keep unequal numbers of tokens where the runtime cannot hold them.
+
+    ``rows=False`` (the vLLM plugin, the experiment runner): the token table keeps one length per request
+    (docs/decisions.md, decision 4), so any unequal allocation is refused. ``rows=True`` (the HF adapter,
+    which has per-row pages, decision 8): refused unless the budget evicts once, after prefill
+    (``when="prefill"``), because a request in per-row pages is not evicted again (its statistics would need
+    one length per row)."""
+    if policy is None or policy.spec.uniform:
+        return
+    if rows:
+        when = (budget or policy.budget).when
+        if when != "prefill":
+            raise ValueError(f"policy {policy.name!r} has allocation={policy.spec.allocation!r} and evicts with "
+                             f"when={when!r}; per-row pages take a request once, after prefill: use "
+                             "budget=vt.Budget(..., when='prefill') (every shipped unequal policy does), or "
+                             "allocation=vt.Uniform() to evict during decode")
+        return
+    raise ValueError(f"policy {policy.name!r} has allocation={policy.spec.allocation!r} (unequal budgets per "
+                     "(layer, KV head) row); this runtime keeps one length per request and runs only "
+                     "allocation=vt.Uniform(); per-row pages exist in the HF adapter (HFSession, "
+                     "docs/decisions.md, decision 8) and come to vLLM with issue 39. To serve it now, "
+                     "configure(allocation=vt.Uniform())")
 
 
 class EvictionDriver:
@@ -113,8 +139,9 @@ class EvictionDriver:
 
     def __init__(self, cache: VTokenCache, followers: Sequence[VTokenCache] = (), record_keeps: bool = False,
                  collective: Collective | None = None, queries: QueryWindows | None = None,
-                 vector_chunk_bytes: int | None = None) -> None:
+                 vector_chunk_bytes: int | None = None, handoff: Handoff | None = None) -> None:
         self.cache = cache
+        self.handoff = handoff
         self.collective = collective
         self.queries = queries  # the query window store (query statistics), set by the adapter
         self.vector_chunk_bytes = int(vector_chunk_bytes or os.environ.get("VTOKEN_VECTOR_CHUNK_BYTES", 256 << 20))
@@ -129,7 +156,7 @@ class EvictionDriver:
         """Track a request (already added to the cache). ``budget``: a per-request override."""
         if req_id in self.requests:
             raise ValueError(f"request {req_id!r} is already tracked")
-        refuse_unequal(policy)
+        refuse_unequal(policy, budget, rows=self.handoff is not None)
         t = TrackedRequest(policy, budget if budget is not None or policy is None else policy.budget)
         self.requests[req_id] = t
         return t
@@ -159,7 +186,20 @@ class EvictionDriver:
         for rs in groups.values():
             masks.update(self._masks(rs, report))
         t1 = time.perf_counter()
+        handed: list[ReqId] = []
         for r, keep in masks.items():
+            t = self.requests[r]
+            assert t.policy is not None
+            if not t.policy.spec.uniform and self.handoff is not None:
+                n, kept = self._hand_off(r, keep, report)
+                if n < 0:
+                    continue
+                handed.append(r)
+                if self.record_keeps:
+                    t.keep_log.append((kept[0], kept[1]))
+                if n:
+                    report.evicted[r] = n
+                continue
             try:
                 n = cache.apply_keep_mask(r, keep)
             except ValueError as e:  # a mask the cache refuses (pins, unequal counts): this request only
@@ -168,13 +208,14 @@ class EvictionDriver:
             for c in self.followers:
                 c.apply_keep_mask(r, keep)
             if self.record_keeps:
-                self.requests[r].keep_log.append((cache.logical_len(r), cache.live_view(r)[0].copy()))
+                t.keep_log.append((cache.logical_len(r), cache.live_view(r)[0].copy()))
             if n:
                 report.evicted[r] = n
-        if report.evicted:
-            report.reclaim = cache.reclaim(list(report.evicted))
+        compacted = [r for r in report.evicted if r not in handed]
+        if compacted:
+            report.reclaim = cache.reclaim(compacted)
             for c in self.followers:
-                c.reclaim(list(report.evicted))
+                c.reclaim(compacted)
         report.policy_seconds, report.reclaim_seconds = t1 - t0, time.perf_counter() - t1
         c_ = self.counters
         c_["evictions"] += len(report.evicted)
@@ -339,6 +380,21 @@ class EvictionDriver:
                            vectors={k: v.to(dev) for k, v in vectors.items()},
                            head_dim=cache.head_size if "head_dim" in policy.reads else None, num_layers=L)
         return batch, ns
+
+    def _hand_off(self, r: ReqId, keep: np.ndarray, report: StepReport) -> tuple[int, tuple[int, list[np.ndarray]]]:
+        """Give request ``r`` and its unequal keep mask ``[R, n]`` to the adapter's per-row pages. Returns
+        ``(row-tokens evicted, (logical_len, kept positions per row))``, or ``(-1, ...)`` when the handoff
+        refused the mask (the request fails and stays in the uniform cache, unchanged)."""
+        assert self.handoff is not None
+        pos = self.cache.live_view(r)[0]
+        kept = (self.cache.logical_len(r), [p[k] for p, k in zip(pos, keep, strict=True)])
+        try:
+            n = self.handoff(r, keep)
+        except ValueError as e:
+            self._fail(r, f"keep mask refused: {e}", report)
+            return -1, kept
+        self.requests[r].in_rows = True
+        return n, kept
 
     def _fail(self, r: ReqId, why: str, report: StepReport) -> None:
         self.requests[r].failures.append(why)

@@ -17,6 +17,12 @@ registered with transformers' ``AttentionInterface`` (and a no-op mask in
 After a prefill and after each decode step the eviction driver (``vtoken_runtime.eviction``, shared
 with the vLLM plugin) asks each request's policy for a keep mask when its budget says so, applies it
 and reclaims: compaction frees tail blocks immediately.
+
+Unequal budgets per (layer, KV head) row (``allocation=``, issue 38): the first eviction of such a request
+hands it, with its own blocks, to the session's :class:`~vtoken_runtime.row_cache.RowCache`, which lays
+every row out in one-head pages of the same memory (``kv_all``; docs/decisions.md decision 8) and frees the
+blocks the rows no longer need. From then on the request decodes over per-row page lists; a batch may mix
+both kinds (each layer splits it).
 Works for any HF decoder whose attention calls ``attention_interface(self, q, k, v,
 mask, scaling=..., **kwargs)`` after RoPE (Llama, Qwen2, Mistral, ...).
 """
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import math
+import weakref
 from collections.abc import Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -35,6 +42,7 @@ import torch
 
 from .cache import AttentionMetadata, VTokenCache
 from .eviction import EvictionDriver, TrackedRequest, refuse_unequal
+from .row_cache import RowCache
 from .stats import StatsCollector, needs_probs
 from .stats.query_vectors import FUTURE_STATS, QueryWindows, WriteIndex
 from .stats.rope import RotaryTables, rotary_tables
@@ -71,8 +79,21 @@ def _vtoken_attention(model: Any) -> Iterator[None]:
 
 
 @dataclass
+class RowStep:
+    """The part of a batch whose requests live in per-row pages (:class:`RowCache`)."""
+
+    uni_b: torch.Tensor  # [Bu] batch indices of the uniform-cache requests
+    row_b: torch.Tensor  # [Br] batch indices of the row requests
+    req_ids: list[Hashable]  # [Br]
+    valid: torch.Tensor  # [Br, Q] bool
+    query_lens: torch.Tensor  # [Br] int64
+    slots: np.ndarray  # [R, T_rows] page slots of the row requests' new tokens (row-major over [Br, Q])
+
+
+@dataclass
 class StepContext:
-    """What one forward needs in every layer (passed as the ``vtoken_step`` kwarg)."""
+    """What one forward needs in every layer (passed as the ``vtoken_step`` kwarg). The uniform fields cover
+    the uniform-cache requests only (``rows.uni_b``) when ``rows`` is set."""
 
     session: HFSession
     md: AttentionMetadata
@@ -81,6 +102,7 @@ class StepContext:
     prompt_lens: torch.Tensor  # [B] int64 (attn_window: the prompt's last obs_window queries)
     slots: torch.Tensor  # [T] physical slots of the valid new tokens (row-major over [B, Q])
     query_write: WriteIndex | None = None  # where the step's queries go in the query window store
+    rows: RowStep | None = None  # requests in per-row pages (None: none in this batch)
 
 
 def vtoken_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -90,6 +112,26 @@ def vtoken_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
     if vtoken_step is None:
         raise RuntimeError("vtoken_paged attention needs the vtoken_step kwarg; run the model through HFSession")
     ctx = vtoken_step
+    rs = ctx.rows
+    if rs is None:
+        return _uniform_attention(module, ctx, query, key, value, scaling), None
+    B, Hq, Q, D = query.shape
+    out = query.new_zeros(B, Q, Hq, D)
+    if rs.uni_b.numel():
+        ub = rs.uni_b
+        out[ub] = _uniform_attention(module, ctx, query[ub], key[ub], value[ub], scaling)
+    s, layer, rb = ctx.session, module.layer_idx, rs.row_b
+    H = s.num_kv_heads
+    k = key[rb].transpose(1, 2)[rs.valid]  # [T_rows, H_kv, D]
+    v = value[rb].transpose(1, 2)[rs.valid]
+    s.rows.write_kv(layer, rs.slots[layer * H:(layer + 1) * H], k, v)
+    out[rb] = s.rows.attention(layer, query[rb].transpose(1, 2), rs.req_ids, rs.query_lens, scale=scaling)
+    return out, None
+
+
+def _uniform_attention(module: Any, ctx: StepContext, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       scaling: float | None) -> torch.Tensor:
+    """The uniform cache's part of a layer: write K/V, paged attention, statistics, query windows."""
     s = ctx.session
     layer = module.layer_idx
     k = key.transpose(1, 2)[ctx.valid]  # [T, H_kv, D]
@@ -105,7 +147,7 @@ def vtoken_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value:
     if ctx.query_write is not None:
         assert s.queries is not None
         s.queries.write(layer, q.reshape(-1, q.shape[2], q.shape[3]), ctx.query_write)
-    return out, None
+    return out
 
 
 class HFSession:
@@ -117,7 +159,9 @@ class HFSession:
     ``policies``: the policies the session will run (their statistics and collector parameters are
     claimed up front, which a shared prefill needs: statistics are collected before requests fork).
     Eviction is :class:`~vtoken_runtime.eviction.EvictionDriver`'s; ``requests[r]`` is its record
-    (``failures``, ``keep_log``).
+    (``failures``, ``keep_log``). Policies with unequal budgets per row (``allocation=``, ``when="prefill"``)
+    move their requests into ``rows`` (:class:`RowCache`, one-head pages of the same K/V memory and the same
+    block pool) at their eviction.
     """
 
     def __init__(self, model: Any, *, block_size: int = 16, num_blocks: int = 4096, mode: str = "compact",
@@ -148,14 +192,25 @@ class HFSession:
         for p in policies:
             self._adopt_stats_config(p)
         self.collect_probs = needs_probs(self.stat_names)
+        # one allocation for every layer's K/V: layer l's uniform cache is kv_all[l], and the row cache sees the
+        # same memory as one-head pages of every layer (a block is L x H_kv pages: decision 8)
+        self.kv_all = torch.zeros(self.num_layers, 2, num_blocks, block_size, self.num_kv_heads, self.head_dim,
+                                  dtype=self.dtype)
         self.cache = VTokenCache(self.num_layers, self.num_kv_heads, self.head_dim, block_size, num_blocks,
                                  granularity=granularity, mode=mode, dtype=self.dtype, stat_names=self.stat_names,
-                                 max_requests=max_requests, async_copy=async_copy, debug=debug)
+                                 max_requests=max_requests, async_copy=async_copy, debug=debug,
+                                 kv_caches=list(self.kv_all.unbind(0)))
+        self.rows = RowCache(self.kv_all, self.cache.pool, max_requests, debug=self.cache.debug)
+        self.cache.add_pool_holder(self.rows.held_block_ids)  # RowCache's method: no cycle back to the session
         self.followers = {bs: VTokenCache(self.num_layers, self.num_kv_heads, 1, bs,
                                           cdiv(num_blocks * block_size, bs) + max_requests, granularity=granularity,
                                           mode=mode, max_requests=max_requests, async_copy=False)
                           for bs in follower_block_sizes}
-        self.driver = EvictionDriver(self.cache, list(self.followers.values()), record_keeps=record_keeps)
+        # the driver holds the handoff through a weak reference: a bound method would make a reference cycle
+        # (session -> driver -> session) that keeps every K/V tensor alive until the cyclic GC happens to run
+        handoff = weakref.WeakMethod(self._handoff)
+        self.driver = EvictionDriver(self.cache, list(self.followers.values()), record_keeps=record_keeps,
+                                     handoff=(lambda r, k: handoff()(r, k)) if granularity == "head" else None)
         for p in policies:
             self._claim_queries(p)
         self.requests: dict[Hashable, TrackedRequest] = self.driver.requests
@@ -178,6 +233,8 @@ class HFSession:
         """Replace a request's pinned true positions (kept by every policy from the next eviction on;
         positions not reached yet are pinned when they arrive). ValueError, changing nothing, when a
         present pin was already evicted."""
+        if req_id in self.rows:
+            raise ValueError(f"request {req_id!r} is in per-row pages (unequal budgets): its pins are fixed")
         pins = np.asarray(list(pinned_positions), dtype=np.int64)
         for c in (self.cache, *self.followers.values()):  # the first refuses before any changed: same tokens
             c.set_pins(req_id, pins)
@@ -185,7 +242,8 @@ class HFSession:
     def _check_policy(self, policy: Any | None) -> None:
         if policy is None:
             return
-        refuse_unequal(policy)  # before the caches see the request: a refusal changes nothing
+        # before the caches see the request: a refusal changes nothing
+        refuse_unequal(policy, rows=self.driver.handoff is not None)
         missing = set(policy.stored_reads) - set(self.stat_names)
         if missing:
             raise ValueError(f"policy {policy.name!r} reads {sorted(missing)}, which this session does not "
@@ -247,8 +305,11 @@ class HFSession:
             self.stats_config = self.stats_config.model_copy(update=update)
 
     def free(self, req_id: Hashable) -> None:
-        for c in (self.cache, *self.followers.values()):
-            c.free(req_id)
+        if req_id in self.rows:
+            self.rows.free(req_id)
+        else:
+            for c in (self.cache, *self.followers.values()):
+                c.free(req_id)
         if self.queries is not None:
             self.queries.remove(req_id)
         self.driver.remove(req_id)
@@ -258,6 +319,8 @@ class HFSession:
     def fork(self, src: Hashable, dst: Hashable, policy: Any | None = None, budget: int | None = None) -> None:
         """Add ``dst`` as a copy of ``src`` (tokens, evictions, K/V, statistics, pins), with its own policy:
         one shared prefill for many configurations."""
+        if src in self.rows:
+            return self._fork_rows(src, dst, policy, budget)
         self._check_policy(policy)
         pins = self.cache.pinned_positions(src)
         for c in (self.cache, *self.followers.values()):
@@ -269,6 +332,55 @@ class HFSession:
         self.prompt_lens[dst] = self.prompt_lens.get(src, 0)
         if src in self._prompt_ended:
             self._prompt_ended.add(dst)
+
+    def _fork_rows(self, src: Hashable, dst: Hashable, policy: Any | None, budget: int | None) -> None:
+        """Fork of a request in per-row pages: ``dst`` starts in per-row pages too (it evicts no more)."""
+        if dst in self.requests or dst in self.rows:
+            raise ValueError(f"request {dst!r} already exists")
+        self._check_policy(policy)
+        if not self.rows.fork(src, dst):
+            raise MemoryError(f"out of KV blocks or request rows while forking {src!r} -> {dst!r}")
+        self._track(dst, policy, budget)
+        self.requests[dst].in_rows = True
+        self.prompt_lens[dst] = self.prompt_lens.get(src, 0)
+        if src in self._prompt_ended:
+            self._prompt_ended.add(dst)
+
+    def logical_len(self, req_id: Hashable) -> int:
+        """True length of a request (positions so far), wherever it lives."""
+        return self.rows.logical_len(req_id) if req_id in self.rows else self.cache.logical_len(req_id)
+
+    def _handoff(self, req_id: Hashable, keep: np.ndarray) -> int:
+        """The driver's handoff: move ``req_id`` with its unequal keep mask ``[R, n_live]`` into per-row pages,
+        in its own blocks (gather first: the layouts share them); the blocks its rows no longer need return
+        to the pool. ValueError (nothing changed) for a mask that evicts a pin or a full row cache."""
+        c = self.cache
+        if len(self.rows.table.requests) >= self.rows.table.max_requests:
+            raise ValueError(f"the row cache holds max_requests={self.rows.table.max_requests} requests")
+        pos, phys = c.live_slots(req_id)  # [R, n]: positions and uniform physical slots (fenced)
+        km = np.asarray(keep, dtype=bool)
+        if km.shape != pos.shape:
+            raise ValueError(f"keep mask shape {km.shape} != (R, n_live) = {pos.shape}")
+        pins, logical = c.pinned_positions(req_id), c.logical_len(req_id)
+        present = pins[pins < logical]
+        kept = [p[k] for p, k in zip(pos, km, strict=True)]
+        for r, p in enumerate(kept):
+            if present.size and not np.isin(present, p).all():
+                raise ValueError(f"keep mask evicts pinned position(s) of row {r}")
+        bs = self.block_size
+        src = [self.rows.table.row_page_slots(ph[k] // bs, ph[k] % bs, np.full(int(k.sum()), r))
+               for r, (ph, k) in enumerate(zip(phys, km, strict=True))]
+        blocks = c.release(req_id)
+        try:
+            self.rows.adopt(req_id, pins, kept, src, blocks, logical)
+        except ValueError as e:  # checked above: this would be the runtime's own fault
+            c.pool.free(blocks)
+            raise RuntimeError(f"handoff of {req_id!r} to per-row pages failed after release: {e}") from e
+        for f in self.followers.values():
+            f.free(req_id)
+        if self.queries is not None:
+            self.queries.remove(req_id)
+        return int(km.size - km.sum())
 
     def _reserve(self, req_id: Hashable, n: int) -> torch.Tensor:
         slots = self.cache.reserve(req_id, n)
@@ -287,7 +399,7 @@ class HFSession:
             return
         for r, n in zip(req_ids, lens, strict=True):
             end = self.prompt_lens.get(r, 0)
-            if r in self._prompt_ended or self.cache.logical_len(r) + n <= end:
+            if r in self._prompt_ended or self.logical_len(r) + n <= end:
                 continue  # generated tokens, or a chunk of the declared prompt
             where = (f"its prompt ({end} tokens, prefill(evict=False)) is still open" if end else
                      "it has no prompt yet")
@@ -310,14 +422,29 @@ class HFSession:
         Q = max(lens)
         ids = torch.zeros(B, Q, dtype=torch.long)
         qpos = torch.full((B, Q), -1, dtype=torch.long)
-        slots = []
+        slots, row_slots, uni_b, row_b = [], [], [], []
         for b, (r, toks) in enumerate(zip(req_ids, tokens, strict=True)):
-            start = self.cache.logical_len(r)
+            start = self.logical_len(r)
             ids[b, : lens[b]] = torch.as_tensor(list(toks), dtype=torch.long)
             qpos[b, : lens[b]] = torch.arange(start, start + lens[b])
-            slots.append(self._reserve(r, lens[b]))
-        md = self.cache.attention_metadata(list(req_ids))
-        plen = torch.as_tensor([self.prompt_lens.get(r, 0) for r in req_ids], dtype=torch.int64)
+            if r in self.rows:
+                got = self.rows.reserve(r, lens[b])
+                if got is None:
+                    raise MemoryError(f"out of KV blocks while reserving {lens[b]} tokens for {r!r} (per-row pages)")
+                row_slots.append(got)
+                row_b.append(b)
+            else:
+                slots.append(self._reserve(r, lens[b]))
+                uni_b.append(b)
+        uni_ids = [req_ids[b] for b in uni_b]
+        md = self.cache.attention_metadata(uni_ids)
+        rows = None
+        if row_b:  # the uniform fields below cover the uniform requests only
+            ub, rb = torch.as_tensor(uni_b, dtype=torch.long), torch.as_tensor(row_b, dtype=torch.long)
+            rows = RowStep(ub, rb, [req_ids[b] for b in row_b], qpos[rb] >= 0,
+                           torch.as_tensor([lens[b] for b in row_b], dtype=torch.int64), np.concatenate(row_slots, 1))
+        upos = qpos if rows is None else qpos[rows.uni_b]
+        plen = torch.as_tensor([self.prompt_lens.get(r, 0) for r in uni_ids], dtype=torch.int64)
         if not self._started:
             self.collector = StatsCollector(self.cache, self.stat_names, self.stats_config, self.group_size)
             if self._query_window:
@@ -327,10 +454,11 @@ class HFSession:
                 self.driver.queries = self.queries
             self._started = True
         qwrite = None
-        if self.queries is not None:
-            tok = torch.arange(B * Q).view(B, Q).masked_fill(qpos < 0, -1)
-            qwrite = self.queries.plan(list(req_ids), tok.numpy(), qpos.numpy())
-        ctx = StepContext(self, md, qpos >= 0, qpos, plen, torch.cat(slots), qwrite)
+        if self.queries is not None and uni_ids:
+            tok = torch.arange(len(uni_ids) * Q).view(len(uni_ids), Q).masked_fill(upos < 0, -1)
+            qwrite = self.queries.plan(uni_ids, tok.numpy(), upos.numpy())
+        ctx = StepContext(self, md, upos >= 0, upos, plen, torch.cat(slots) if slots else torch.zeros(0, dtype=torch.long),
+                          qwrite, rows)
         with _vtoken_attention(self.model):
             out = self.model(input_ids=ids, position_ids=qpos.clamp(min=0), use_cache=False, vtoken_step=ctx,
                              logits_to_keep=0)
@@ -351,14 +479,14 @@ class HFSession:
         "prefill" or "decode") or :meth:`decode` ends it; tokens given to :meth:`forward` after that are
         generated tokens (outside the window, as decode steps are)."""
         if "attn_window" in self.stat_names:
-            held = [r for r in req_ids if self.cache.logical_len(r) > 0]
+            held = [r for r in req_ids if self.logical_len(r) > 0]
             if held:
                 raise ValueError(
                     f"requests {held[:4]!r} already hold tokens: attn_window's observation window is the last "
                     "obs_window queries of the prompt, so a prompt must come in one prefill() call; pass the "
                     "whole prompt to prefill(), or feed tokens after it with forward() / decode()")
         for r, p in zip(req_ids, prompts, strict=True):
-            self.prompt_lens[r] = self.cache.logical_len(r) + len(p)
+            self.prompt_lens[r] = self.logical_len(r) + len(p)
         chunks = [self._chunks(len(p)) for p in prompts]
         last_logits: list[torch.Tensor | None] = [None] * len(req_ids)
         for step in range(max((len(c) for c in chunks), default=0)):
@@ -415,7 +543,11 @@ class HFSession:
 
     # ------------------------------------------------------------------ reporting
     def blocks(self, req_id: Hashable) -> dict[int, dict[str, int]]:
-        """Held blocks per block size: full (no eviction), naive, vtoken, ideal."""
+        """Held blocks per block size: full (no eviction), naive, vtoken, ideal. A request in per-row pages has
+        its figures at the session's block size only (:meth:`RowCache.blocks`: also ``ideal_pages``,
+        ``max_row``, ``rows_live_min`` / ``rows_live_max``)."""
+        if req_id in self.rows:
+            return {self.block_size: self.rows.blocks(req_id)}
         out = {}
         for bs, c in ((self.block_size, self.cache), *self.followers.items()):
             live, seq = c.live_tokens(req_id), c.logical_len(req_id)

@@ -38,10 +38,11 @@ CASES: list[tuple[str, dict[str, Any]]] = [
     ("snap_observed", {}),
 ]
 
-# Unequal budgets (``allocation=``): the SDK's contract checks and the Triton kernels run these; the runtimes
-# refuse them (``vtoken_runtime.eviction.refuse_unequal``) until per-row pages exist, so the runtime tests
-# that take CASES do not. The shipped ada_snapkv / ada_expected_attention / pyramidkv are in
-# ``vtoken_policies.names()`` and run through every shipped-policy test of the SDK.
+# Unequal budgets (``allocation=``): the SDK's contract checks, the Triton kernels and the HF session's per-row
+# pages (tests/runtime/test_hf_rows.py, with ``when="prefill"``) run these; the vLLM plugin refuses them
+# (``vtoken_runtime.eviction.refuse_unequal``), so the runtime tests that take CASES do not. The shipped
+# ada_snapkv / ada_expected_attention / pyramidkv / ... are in ``vtoken_policies.names()`` and run through
+# every shipped-policy test of the SDK.
 ALLOCATION_CASES: list[tuple[str, dict[str, Any]]] = [
     ("h2o", {"allocation": vt.AdaptiveLayer(floor=0.2)}),
     ("knorm", {"allocation": vt.AdaptiveLayer(floor=0.0), "protect": [vt.sinks(2)]}),

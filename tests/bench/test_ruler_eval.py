@@ -109,12 +109,27 @@ def test_unknown_policy_exits_1_naming_it(tmp_path: Path) -> None:
     assert "no_such_policy" in res.stderr and "Traceback" not in res.output
 
 
-def test_a_policy_with_unequal_budgets_exits_1_with_the_reason_before_anything_runs(tmp_path: Path) -> None:
-    res = runner.invoke(app, ["eval", "ruler", "--policies", "ada_snapkv", "--engines", "vtoken",
-                              "--work-dir", str(tmp_path)])
+UNEQUAL_DURING_DECODE = """import vtoken_sdk as vt
+
+
+@vt.policy(budget=vt.Budget(ratio=0.5), granularity="head", allocation=vt.AdaptiveLayer(floor=0.2))
+def ada_knorm_decode(s: vt.TokenStats):
+    return -s.key_norm
+"""
+
+
+def test_a_policy_with_unequal_budgets_evicting_in_decode_exits_1_with_the_reason_before_anything_runs(
+        tmp_path: Path) -> None:
+    """Per-row pages take a request once, after prefill (the shipped unequal policies run: ``when="prefill"``);
+    a policy file whose unequal budget evicts during decode is refused by name before anything runs."""
+    pol = tmp_path / "ada_knorm_decode.py"
+    pol.write_text(UNEQUAL_DURING_DECODE)
+    work = tmp_path / "work"
+    res = runner.invoke(app, ["eval", "ruler", "--policies", str(pol), "--engines", "vtoken",
+                              "--work-dir", str(work)])
     assert res.exit_code == 1, res.output
-    assert "ada_snapkv" in res.stderr and "allocation" in res.stderr and "Traceback" not in res.output
-    assert not any(tmp_path.iterdir())
+    assert "ada_knorm_decode" in res.stderr and "when='prefill'" in res.stderr and "Traceback" not in res.output
+    assert not work.exists() or not any(work.iterdir())
 
 
 # --------------------------------------------------------------------------- slow: real samples, both engines

@@ -35,6 +35,26 @@ def test_bench_blocks_json_schema_and_exact_compaction(tmp_path: Path) -> None:
     assert "reduction vs Naive-Evict at eviction ratio 0.5, block size 16" in res.stdout
 
 
+def test_bench_blocks_runs_unequal_budgets_in_per_row_pages(tmp_path: Path) -> None:
+    """ada_snapkv / duo_attention move to per-row pages at their eviction: their rows carry the designs' bounds,
+    the request holds the page bound (never above issue 38's per-layer ideal), and they appear at the first
+    block size only."""
+    out = tmp_path / "b.json"
+    res = runner.invoke(app, ["bench", "blocks", "--policies", "ada_snapkv,duo_attention,snapkv", "--ratios", "0.5",
+                              "--lengths", "400", "--decode", "4", "--json", str(out), "--plot",
+                              str(tmp_path / "b.png")])
+    assert res.exit_code == 0, res.output
+    rows = {(r["policy"], r["block_size"]): r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {("ada_snapkv", 16), ("duo_attention", 16), ("snapkv", 16), ("snapkv", 32), ("snapkv", 48)}
+    for name in ("ada_snapkv", "duo_attention"):
+        r = rows[(name, 16)]
+        assert r["blocks_vtoken"] == r["blocks_ideal_pages"] <= r["blocks_ideal"] <= r["blocks_full"]
+        assert r["rows_live_min"] < r["rows_live_max"]
+        assert r["blocks_vtoken"] < r["blocks_max_row"]
+    assert "blocks_max_row" not in rows[("snapkv", 16)]
+    assert "unequal budgets in per-row pages" in res.stdout
+
+
 def test_eval_runs_and_full_cache_is_the_reference(tmp_path: Path) -> None:
     out = tmp_path / "e.json"
     res = runner.invoke(app, ["eval", "--policies", "knorm", "--ratios", "0.5", "--context", "128",
@@ -55,6 +75,22 @@ def test_eval_runs_and_full_cache_is_the_reference(tmp_path: Path) -> None:
     assert kn["perplexity_decode_windows"] == [kn["perplexity_decode"]]
     assert kn["perplexity_once_windows"] == [kn["perplexity_once"]]
     assert "ppl (evict once)" in res.stdout and "ppl (evict every step)" in res.stdout
+
+
+def test_eval_runs_unequal_budgets_and_its_two_protocols_agree(tmp_path: Path) -> None:
+    """Policies evicting once after prefill score the continuation the same whether it runs as one forward
+    (a fork in per-row pages, causal by row order) or token by token: per-row pages are exact both ways."""
+    out = tmp_path / "e.json"
+    res = runner.invoke(app, ["eval", "--policies", "ada_snapkv,duo_attention", "--ratios", "0.5", "--context", "200",
+                              "--continuation", "8", "--requests", "1", "--passkey-lengths", "400", "--depths", "0.5",
+                              "--json", str(out), "--plot", str(tmp_path / "e.png")])
+    assert res.exit_code == 0, res.output
+    rows = {(r["policy"], r["eviction_ratio"]): r for r in json.loads(out.read_text())["rows"]}
+    full = rows[("full", 0.0)]["perplexity"]
+    for name in ("ada_snapkv", "duo_attention"):
+        r = rows[(name, 0.5)]
+        assert abs(r["perplexity_once"] - r["perplexity_decode"]) < 1e-3 * r["perplexity_decode"], r
+        assert r["perplexity_decode"] != full  # it evicted
 
 
 def test_eval_takes_a_policy_file_and_held_out_offsets(tmp_path: Path) -> None:

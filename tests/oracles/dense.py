@@ -72,3 +72,66 @@ def dense_greedy(model: Any, prompt: Sequence[int], max_new_tokens: int,
         return gen
     finally:
         cfg._attn_implementation = old
+
+
+_ROWS_STATE: dict[str, Any] = {"keep": None}
+
+
+def _rows_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+                    scaling: float | None = None, dropout: float = 0.0, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """Eager attention over the full dense cache, causal by index, where (when set) KV head h of this layer
+    sees only its kept prompt positions: ``_ROWS_STATE["keep"] [L, H, n_prompt]`` bool; later keys always."""
+    B, Hq, Q, D = query.shape
+    H, K = key.shape[1], key.shape[2]
+    G = Hq // H
+    scale = scaling if scaling is not None else D ** -0.5
+    q = query.float().view(B, H, G, Q, D)
+    s = torch.einsum("bhgqd,bhkd->bhgqk", q, key.float()) * scale
+    j, i = torch.arange(K), torch.arange(Q)
+    vis = (j[None, :] <= (K - Q) + i[:, None])[None, None, None]  # [1, 1, 1, Q, K]
+    keep = _ROWS_STATE["keep"]
+    if keep is not None:
+        kl = keep[module.layer_idx]  # [H, n]
+        full = torch.ones(H, K, dtype=torch.bool)
+        full[:, : kl.shape[1]] = kl
+        vis = vis & full[None, :, None, None, :]
+    p = torch.softmax(s.masked_fill(~vis, float("-inf")), dim=-1)
+    out = torch.einsum("bhgqk,bhkd->bhgqd", p, value.float()).reshape(B, Hq, Q, D).transpose(1, 2)
+    return out.to(query.dtype), None
+
+
+@torch.inference_mode()
+def dense_greedy_rows(model: Any, prompt: Sequence[int], max_new_tokens: int, kept: Sequence[np.ndarray]) -> list[int]:
+    """Greedy decoding with the dense model (full cache, no eviction) where, once the prompt has run, KV head
+    ``h`` of layer ``l`` attends only to the prompt positions ``kept[l * H + h]`` (and to every generated
+    token): the ground truth for a session whose rows keep unequal sets after prefill (issue 38)."""
+    from transformers import AttentionInterface, DynamicCache
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register("vtoken_dense_rows", _rows_attention)
+    AttentionMaskInterface.register("vtoken_dense_rows", lambda *args, **kwargs: None)
+    cfg = model.config
+    old = cfg._attn_implementation
+    cfg._attn_implementation = "vtoken_dense_rows"
+    L, H, n = cfg.num_hidden_layers, cfg.num_key_value_heads, len(prompt)
+    keep = torch.zeros(L, H, n, dtype=torch.bool)
+    for r, p in enumerate(kept):
+        keep[r // H, r % H, torch.as_tensor(np.asarray(p), dtype=torch.long)] = True
+    try:
+        _ROWS_STATE["keep"] = None
+        cache = DynamicCache(config=cfg)
+        out = model(input_ids=torch.tensor([list(prompt)]), position_ids=torch.arange(n)[None], past_key_values=cache,
+                    use_cache=True)
+        _ROWS_STATE["keep"] = keep
+        gen: list[int] = []
+        for step in range(max_new_tokens):
+            t = int(out.logits[0, -1].argmax())
+            gen.append(t)
+            if step == max_new_tokens - 1:
+                break
+            out = model(input_ids=torch.tensor([[t]]), position_ids=torch.tensor([[n + step]]), past_key_values=cache,
+                        use_cache=True)
+        return gen
+    finally:
+        _ROWS_STATE["keep"] = None
+        cfg._attn_implementation = old

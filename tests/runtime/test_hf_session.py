@@ -283,10 +283,11 @@ def test_stats_batch_is_one_gather_per_statistic_for_the_whole_batch(granularity
 
 @pytest.mark.parametrize("name", ["ada_snapkv", "pyramidkv", "ada_expected_attention"])
 def test_a_policy_with_unequal_budgets_is_refused_by_name_and_changes_nothing(name: str) -> None:
-    """The token table keeps one length per request until per-row pages exist (decision 8): the session
-    refuses the policy at ``add`` with the reason and the way out, and the request is not half-added."""
+    """A request-granularity session has one row per request, so no per-row pages (decision 8): it
+    refuses the policy at ``add`` with the reason and the way out, and the request is not half-added.
+    (Head-granularity sessions run them: tests/runtime/test_hf_rows.py.)"""
     pol = vtoken_policies.load(name)
-    s = vt_session(tiny_llama(), pol)
+    s = vt_session(tiny_llama(), pol, granularity="request")
     with pytest.raises(ValueError, match=f"policy '{name}' has allocation=.*allocation=vt.Uniform"):
         s.add("r", pol)
     assert "r" not in s.requests and "r" not in s.driver.requests
