@@ -156,7 +156,19 @@ def start_kvpress(samples: Sequence[RulerSample], ids: Sequence[tuple[list[int],
     env = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "PATH": "/usr/bin:/bin", "HOME": os.environ.get("HOME", "/root")}
     log = (work / "kvpress.log").open("wb")
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
+
+
+def _die_with_parent() -> None:
+    """In the peer, before exec (Linux): SIGTERM when this process dies, even by SIGKILL (an out-of-memory
+    kill once left a peer computing for nobody; ``finally: peer.kill()`` cannot run then)."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+    except OSError:  # not glibc Linux: the finally clause is the only guard
+        pass
 
 
 def finish_kvpress(proc: subprocess.Popen[bytes], work: Path) -> dict[tuple[str, str, float], str]:
