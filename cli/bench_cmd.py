@@ -82,7 +82,8 @@ def masks(
 
 @bench_app.command("blocks")
 def blocks(
-    quick: Annotated[bool, typer.Option("--quick", help="one 512-token request, 256 decode steps (< 3 min)")] = False,
+    quick: Annotated[bool, typer.Option("--quick", help="one 512-token request, 256 decode steps (10 min for every "
+                                                        "shipped policy with a CI run beside it)")] = False,
     policies: Annotated[str, typer.Option(help="comma-separated shipped policies (unequal budgets too: ada_snapkv, "
                                                 "pyramidkv, duo_attention, ...)")] = ",".join(ALL_POLICIES),
     ratios: Annotated[str, typer.Option(help="comma-separated eviction ratios")] = "0.3,0.5,0.7",
