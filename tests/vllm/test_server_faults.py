@@ -104,8 +104,10 @@ class Load:
         t1 = time.monotonic()
         self.results.append((code, t1 - t0, t1))
 
-    def wait_running(self, timeout: float = 60) -> None:
-        """Returns once the engine runs at least one of the requests (they hold KV blocks)."""
+    def wait_running(self, timeout: float = 180) -> None:
+        """Returns once the engine runs at least one of the requests (they hold KV blocks). Generous: a TP=2
+        server on 2 busy cores once took more than 60 s to schedule its first request (the 1,800-token calls
+        are still in flight when it does)."""
         deadline = time.monotonic() + timeout
         while self.srv.metric("vllm:num_requests_running") < 1:
             assert time.monotonic() < deadline, "the load never started running"
