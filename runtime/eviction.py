@@ -195,8 +195,8 @@ class EvictionDriver:
                 if n < 0:
                     continue
                 handed.append(r)
-                if self.record_keeps:
-                    t.keep_log.append((kept[0], kept[1]))
+                if kept is not None:
+                    t.keep_log.append(kept)
                 if n:
                     report.evicted[r] = n
                 continue
@@ -381,13 +381,16 @@ class EvictionDriver:
                            head_dim=cache.head_size if "head_dim" in policy.reads else None, num_layers=L)
         return batch, ns
 
-    def _hand_off(self, r: ReqId, keep: np.ndarray, report: StepReport) -> tuple[int, tuple[int, list[np.ndarray]]]:
+    def _hand_off(self, r: ReqId, keep: np.ndarray, report: StepReport
+                  ) -> tuple[int, tuple[int, list[np.ndarray]] | None]:
         """Give request ``r`` and its unequal keep mask ``[R, n]`` to the adapter's per-row pages. Returns
-        ``(row-tokens evicted, (logical_len, kept positions per row))``, or ``(-1, ...)`` when the handoff
-        refused the mask (the request fails and stays in the uniform cache, unchanged)."""
+        ``(row-tokens evicted, (logical_len, kept positions per row) when keeps are recorded)``, or ``(-1, ...)``
+        when the handoff refused the mask (the request fails and stays in the uniform cache, unchanged)."""
         assert self.handoff is not None
-        pos = self.cache.live_view(r)[0]
-        kept = (self.cache.logical_len(r), [p[k] for p, k in zip(pos, keep, strict=True)])
+        kept = None
+        if self.record_keeps:  # read before the handoff: the uniform cache lets the request go
+            pos = self.cache.live_view(r)[0]
+            kept = (self.cache.logical_len(r), [p[k] for p, k in zip(pos, keep, strict=True)])
         try:
             n = self.handoff(r, keep)
         except ValueError as e:

@@ -353,29 +353,20 @@ class HFSession:
     def _handoff(self, req_id: Hashable, keep: np.ndarray) -> int:
         """The driver's handoff: move ``req_id`` with its unequal keep mask ``[R, n_live]`` into per-row pages,
         in its own blocks (gather first: the layouts share them); the blocks its rows no longer need return
-        to the pool. ValueError (nothing changed) for a mask that evicts a pin or a full row cache."""
+        to the pool. ValueError (nothing changed) for a mask that evicts a pin or a full row cache: the row cache
+        validates before it moves anything, and the uniform cache lets the request go only after it took over."""
         c = self.cache
-        if len(self.rows.table.requests) >= self.rows.table.max_requests:
-            raise ValueError(f"the row cache holds max_requests={self.rows.table.max_requests} requests")
         pos, phys = c.live_slots(req_id)  # [R, n]: positions and uniform physical slots (fenced)
         km = np.asarray(keep, dtype=bool)
         if km.shape != pos.shape:
             raise ValueError(f"keep mask shape {km.shape} != (R, n_live) = {pos.shape}")
-        pins, logical = c.pinned_positions(req_id), c.logical_len(req_id)
-        present = pins[pins < logical]
-        kept = [p[k] for p, k in zip(pos, km, strict=True)]
-        for r, p in enumerate(kept):
-            if present.size and not np.isin(present, p).all():
-                raise ValueError(f"keep mask evicts pinned position(s) of row {r}")
         bs = self.block_size
+        kept = [p[k] for p, k in zip(pos, km, strict=True)]
         src = [self.rows.table.row_page_slots(ph[k] // bs, ph[k] % bs, np.full(int(k.sum()), r))
                for r, (ph, k) in enumerate(zip(phys, km, strict=True))]
-        blocks = c.release(req_id)
-        try:
-            self.rows.adopt(req_id, pins, kept, src, blocks, logical)
-        except ValueError as e:  # checked above: this would be the runtime's own fault
-            c.pool.free(blocks)
-            raise RuntimeError(f"handoff of {req_id!r} to per-row pages failed after release: {e}") from e
+        self.rows.adopt(req_id, c.pinned_positions(req_id), kept, src, list(c.table.get(req_id).blocks),
+                        c.logical_len(req_id))
+        c.release(req_id)  # its blocks are the row cache's now (the surplus already back in the pool)
         for f in self.followers.values():
             f.free(req_id)
         if self.queries is not None:
