@@ -27,20 +27,21 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 POLICIES = ("snapkv", "ada_snapkv", "pyramidkv", "expected_attention", "ada_expected_attention", "snap_observed",
             "ada_snap_observed", "duo_attention")
 
 
 def designs(live: list[list[int]], k: int, block_size: int) -> dict[str, int]:
-    """The blocks each design holds for kept counts ``live[l][h]`` (module doc)."""
-    def pages(x: int) -> int:
-        return math.ceil(x / block_size)
+    """The blocks each design holds for kept counts ``live[l][h]`` (module doc; the runtime's own bounds:
+    ``vtoken_runtime.page_table.design_bounds``)."""
+    from vtoken_runtime.page_table import design_bounds
 
-    L, H = len(live), len(live[0])
+    b = design_bounds(np.asarray(live, dtype=np.int64), block_size)
     flat = [x for row in live for x in row]
-    return {"blocks_uniform": pages(k), "blocks_max_row": pages(max(flat)),
-            "blocks_layer_pool": max(math.ceil(sum(pages(x) for x in row) / H) for row in live),
-            "blocks_global_pool": math.ceil(sum(pages(x) for x in flat) / (L * H)),
+    return {"blocks_uniform": math.ceil(k / block_size), "blocks_max_row": b["max_row"],
+            "blocks_layer_pool": b["per_layer"], "blocks_global_pool": b["pages"],
             "rows_live_min": min(flat), "rows_live_max": max(flat), "tokens_kept": sum(flat)}
 
 

@@ -53,6 +53,18 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def design_bounds(lengths: np.ndarray, block_size: int) -> dict[str, int]:
+    """Blocks a request whose rows hold ``lengths [L, H]`` tokens needs under each memory design: ``pages`` (one
+    page space for every layer: what R4 holds), ``per_layer`` (a page pool per layer: per layer
+    ``ceil(sum_h ceil(n / bs) / H)``, the largest layer; issue 38's ideal) and ``max_row`` (one block list
+    shared by the rows: the longest row)."""
+    n = np.asarray(lengths, dtype=np.int64)
+    pages = -(-n // block_size)
+    return {"pages": cdiv(int(pages.sum()), max(pages.size, 1)),
+            "per_layer": int(max((cdiv(int(x), n.shape[1]) for x in pages.sum(axis=1)), default=0)),
+            "max_row": cdiv(int(n.max(initial=0)), block_size)}
+
+
 @dataclass
 class RowRequest:
     """One request's rows. ``pos[r]``: live positions of row ``r`` in slot order (ascending);
@@ -351,16 +363,9 @@ class PageTable:
         return len(self.get(req_id).blocks)
 
     def ideal_blocks(self, req_id: ReqId) -> dict[str, int]:
-        """Blocks other designs would hold for the same rows: ``pages`` (one page space for all layers:
-        what R4 holds), ``per_layer`` (issue 38's ideal: per layer ``ceil(sum_h ceil(n / bs) / H)``, the
-        largest layer) and ``max_row`` (one shared block list: the longest row)."""
-        st = self.get(req_id)
-        n = st.lengths
-        pages = np.asarray([cdiv(int(x), self.block_size) for x in n], np.int64)
-        per_layer = pages.reshape(self.num_layers, self.num_kv_heads).sum(axis=1)
-        return {"pages": cdiv(int(pages.sum()), self.pages_per_block),
-                "per_layer": int(max((cdiv(int(x), self.num_kv_heads) for x in per_layer), default=0)),
-                "max_row": cdiv(int(n.max(initial=0)), self.block_size)}
+        """Blocks other designs would hold for the same rows (:func:`design_bounds`)."""
+        lengths = self.get(req_id).lengths.reshape(self.num_layers, self.num_kv_heads)
+        return design_bounds(lengths, self.block_size)
 
     # ---------------------------------------------------------------- invariants
     def _debug_check(self, st: RowRequest) -> None:
