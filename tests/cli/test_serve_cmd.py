@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 CLI = [sys.executable, "-c", "from vtoken_cli.main import main; main()"]
-MANAGED = ("VLLM_USE_V2_MODEL_RUNNER", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_USE_AOT_COMPILE", "PROMETHEUS_MULTIPROC_DIR")
+MANAGED = ("VLLM_USE_V2_MODEL_RUNNER", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_USE_AOT_COMPILE",
+           "ONEDNN_PRIMITIVE_CACHE_CAPACITY", "PROMETHEUS_MULTIPROC_DIR")
 
 
 def _model(tmp_path: Path, dtype: str = "float32") -> Path:
@@ -57,7 +58,8 @@ def test_print_command_is_one_shell_line_with_serves_args_and_env_and_creates_no
                               "--max-model-len", "1024")
     assert len(out.splitlines()) == 1
     env, argv = _split(out)
-    assert env == {"VLLM_USE_V2_MODEL_RUNNER": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_USE_AOT_COMPILE": "0"}
+    assert env == {"VLLM_USE_V2_MODEL_RUNNER": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_USE_AOT_COMPILE": "0",
+                   "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "128"}
     model = str(tmp_path / "model")
     flags = serve_flags(policy="h2o", eviction_ratio=0.5)
     assert argv == [sys.executable, "-m", "vtoken_cli.serve_cmd", "--model", model, "--host", "127.0.0.1",

@@ -1,0 +1,191 @@
+"""Attention over per-row pages with vLLM's own CPU attention kernel (issue 39's first piece: no new kernel).
+
+A row is one (request, KV head) of one layer, with its own length and its own list of pages. vLLM's CPU cache
+for a layer is ``[NB, H, bs, 2D]`` (block, KV head, position, K then V), so every (block, head) is one
+contiguous page of ``bs`` key rows followed by ``bs`` value rows, and the layer's cache *is* a pool of
+one-head pages::
+
+    kv_cache [NB, H, bs, 2D]            one_head_pages(kv_cache)          page p = block * H + head
+    block b: | head 0 | head 1 |  ->    [NB*H, 1, bs, D] keys   (K rows of page p)
+                                        [NB*H, 1, bs, D] values (V rows of page p)
+
+vLLM's kernel (``cpu_attention_with_kv_cache``) is then called with one *sequence* per row: ``num_kv_heads=1``,
+``num_heads = H_q / H`` (the row's query heads), the row's length as ``seq_lens`` and its page ids as its
+block-table row. Queries are packed row by row (request-major, then head) and the output unpacked the same way;
+causality is by row order (a row's new tokens are its last ``q`` positions), as in ``RowCache.attention``.
+Pages of one layer are interchangeable between heads, so a row may use any free page of its layer.
+
+Every layer too: vLLM's CPU worker allocates the layers' caches as consecutive views of one buffer
+(``[L, NB, H, bs, 2D]``, checked by :func:`all_layer_pages`), so the same view over the whole buffer is one
+page space for every layer, ``page p = (layer * NB + block) * H + head``, and a row of any layer may use a
+page of any layer's memory (PyramidKV and DuoAttention move budget between layers). A vLLM block id ``b``
+is the pages ``{(l * NB + b) * H + h}``: it can return to vLLM's pool once all ``L x H`` of them are free.
+
+Keys and values are written with vLLM's ``cpu_attn_reshape_and_cache`` through the same view (slot =
+``page * bs + offset``): the kernel reads keys in the layout that op writes, not plain rows.
+
+Verified exact against a dense torch reference on vLLM's real kernel (``tests/vllm/test_row_attention.py``).
+Not yet wired into the engine (per-layer metadata in the worker, the scheduler's accounting): docs/vllm.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+Pages = tuple[torch.Tensor, torch.Tensor]  # (keys, values), each [pages, 1, bs, D]
+
+
+def one_head_pages(kv_cache: torch.Tensor) -> Pages:
+    """``[NB, H, bs, 2D]`` (a layer's vLLM CPU cache) -> ``(keys, values)``, each ``[NB*H, 1, bs, D]`` views of
+    the same memory: page ``p = block * H + head``. ValueError for another shape or a non-contiguous cache."""
+    if kv_cache.dim() != 4 or kv_cache.shape[-1] % 2:
+        raise ValueError(f"vtoken: kv_cache shape {tuple(kv_cache.shape)}; expected [blocks, kv_heads, block_size, "
+                         "2 * head_size] (vLLM's CPU layout)")
+    if not kv_cache.is_contiguous():
+        raise ValueError("vtoken: kv_cache is not contiguous; one-head pages need vLLM's [NB, H, bs, 2D] layout "
+                         "as allocated")
+    nb, h, bs, d2 = kv_cache.shape
+    pages = kv_cache.view(nb * h, 1, 2 * bs, d2 // 2)
+    keys, values = pages.chunk(2, dim=2)
+    return keys, values
+
+
+def all_layer_pages(kv_caches: Sequence[torch.Tensor]) -> Pages:
+    """The layers' caches (each ``[NB, H, bs, 2D]``) -> one page space over all of them, ``[L*NB*H, 1, bs, D]``
+    keys and values: page ``p = (layer * NB + block) * H + head``. ValueError unless the layers are consecutive,
+    equally shaped views of one buffer, in layer order (how vLLM's CPU worker allocates them)."""
+    if not kv_caches:
+        raise ValueError("vtoken: no layers")
+    first = kv_caches[0]
+    step = first.numel() * first.element_size()
+    for i, c in enumerate(kv_caches):
+        if c.shape != first.shape or c.dtype != first.dtype or not c.is_contiguous():
+            raise ValueError(f"vtoken: layer {i}'s cache {tuple(c.shape)} {c.dtype}; expected {tuple(first.shape)} "
+                             f"{first.dtype}, contiguous")
+        if c.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or \
+                c.data_ptr() != first.data_ptr() + i * step:
+            raise ValueError(f"vtoken: layer {i}'s cache is not the {i}-th consecutive view of one buffer; one page "
+                             "space needs the layers in one allocation")
+    nb, h, bs, d2 = first.shape
+    whole = torch.as_strided(first, (len(kv_caches) * nb * h, 1, 2 * bs, d2 // 2),
+                             (2 * bs * (d2 // 2), 2 * bs * (d2 // 2), d2 // 2, 1))
+    keys, values = whole.chunk(2, dim=2)
+    return keys, values
+
+
+@dataclass(frozen=True)
+class RowBatch:
+    """One layer's step over rows: request ``r``'s ``q_r`` new tokens, its rows ``(r, 0..H-1)``.
+
+    ``token_idx`` / ``head_idx`` ``[sum_r q_r * H]``: packed query ``i`` is ``query[token_idx[i], head group
+    head_idx[i]]`` (request-major, then head, then token); ``query_start_loc [R*H + 1]``, ``seq_lens [R*H]``
+    (each row's length after this step's tokens), ``block_table [R*H, P]`` (page ids, int32),
+    ``slots [sum_r q_r * H]`` (where each packed token's key and value go: ``page * bs + offset``)."""
+
+    num_kv_heads: int
+    token_idx: torch.Tensor
+    head_idx: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slots: torch.Tensor
+    max_seq_len: int
+
+
+def build_row_batch(query_lens: Sequence[int], row_lens: np.ndarray, row_pages: Sequence[Sequence[int]],
+                    block_size: int) -> RowBatch:
+    """Metadata for one layer: ``query_lens [R]`` new tokens per request (its tokens are contiguous in the
+    batch, request after request), ``row_lens [R, H]`` each row's length *including* those tokens,
+    ``row_pages`` (``R*H`` lists, row ``r*H + h``) pages that hold them. ValueError when a row is shorter than
+    its new tokens or has too few pages."""
+    lens = np.asarray(row_lens, dtype=np.int64)
+    r_n, h_n = lens.shape
+    q = np.asarray(query_lens, dtype=np.int64)
+    if q.shape != (r_n,) or (q < 0).any():
+        raise ValueError(f"vtoken: query_lens {q.tolist()}; expected {r_n} counts >= 0")
+    if len(row_pages) != r_n * h_n:
+        raise ValueError(f"vtoken: {len(row_pages)} page lists; expected one per row ({r_n} x {h_n})")
+    if (lens < q[:, None]).any():
+        raise ValueError("vtoken: a row is shorter than its request's new tokens")
+    need = -(-lens.reshape(-1) // block_size)
+    have = np.array([len(p) for p in row_pages], dtype=np.int64)
+    if (have < need).any():
+        i = int(np.argmax(have < need))
+        raise ValueError(f"vtoken: row {i} holds {lens.reshape(-1)[i]} tokens in {have[i]} pages of {block_size}; "
+                         f"expected >= {need[i]}")
+    starts = np.concatenate([[0], np.cumsum(q)[:-1]])
+    tok, head, slots, qsl = [], [], [], [0]
+    for r in range(r_n):
+        for h in range(h_n):
+            n, qr = int(lens[r, h]), int(q[r])
+            pos = np.arange(n - qr, n)
+            pages = np.asarray(row_pages[r * h_n + h], dtype=np.int64)
+            tok.append(starts[r] + np.arange(qr))
+            head.append(np.full(qr, h))
+            slots.append(pages[pos // block_size] * block_size + pos % block_size)
+            qsl.append(qsl[-1] + qr)
+    width = max(1, int(have.max(initial=0)))
+    table = np.zeros((r_n * h_n, width), dtype=np.int32)
+    for i, p in enumerate(row_pages):
+        table[i, :len(p)] = p
+
+    def cat(xs: list[np.ndarray]) -> torch.Tensor:
+        return torch.from_numpy(np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64)).to(torch.int64)
+
+    return RowBatch(num_kv_heads=h_n, token_idx=cat(tok), head_idx=cat(head),
+                    query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+                    seq_lens=torch.from_numpy(lens.reshape(-1).astype(np.int32)),
+                    block_table=torch.from_numpy(table), slots=cat(slots),
+                    max_seq_len=int(lens.max(initial=0)))
+
+
+def _isa(dtype: torch.dtype, block_size: int, head_size: int) -> str:
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    return _get_attn_isa(dtype, block_size, head_size, "auto")
+
+
+def write_rows(key: torch.Tensor, value: torch.Tensor, pages: Pages, batch: RowBatch) -> None:
+    """Write this step's keys and values ``[T, H, D]`` into their rows' pages (vLLM's own cache-write op);
+    ``pages`` from :func:`one_head_pages` or :func:`all_layer_pages`."""
+    from vllm import _custom_ops as ops
+
+    keys, values = pages
+    k = key[batch.token_idx, batch.head_idx].unsqueeze(1)  # [T*H, 1, D]
+    v = value[batch.token_idx, batch.head_idx].unsqueeze(1)
+    ops.cpu_attn_reshape_and_cache(k, v, keys, values, batch.slots, _isa(keys.dtype, keys.shape[2], keys.shape[3]))
+
+
+def row_attention(query: torch.Tensor, pages: Pages, batch: RowBatch, scale: float) -> torch.Tensor:
+    """``query [T, H_q, D]`` -> output ``[T, H_q, D]``: every query head attends to its row's keys (causal by
+    row order) through vLLM's ``cpu_attention_with_kv_cache``, one sequence per row."""
+    from vllm import _custom_ops as ops
+
+    t_n, hq, d = query.shape
+    h = batch.num_kv_heads
+    if hq % h:
+        raise ValueError(f"vtoken: {hq} query heads are not a multiple of {h} KV heads")
+    g = hq // h
+    keys, values = pages
+    q4 = query.view(t_n, h, g, d)
+    packed = q4[batch.token_idx, batch.head_idx].contiguous()  # [T*H, G, D]
+    out = torch.empty_like(packed)
+    rows = int(batch.seq_lens.shape[0])
+    isa = _isa(query.dtype, keys.shape[2], d)
+    meta = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=rows, num_heads=g, num_kv_heads=1, head_dim=d, seq_lens=batch.seq_lens, dtype=query.dtype,
+        query_start_loc=batch.query_start_loc, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=False)
+    ops.cpu_attention_with_kv_cache(
+        query=packed, key_cache=keys, value_cache=values, output=out, query_start_loc=batch.query_start_loc,
+        seq_lens=batch.seq_lens, scale=scale, causal=True, alibi_slopes=None, sliding_window=-1,
+        block_table=batch.block_table, softcap=0.0, scheduler_metadata=meta, s_aux=None)
+    result = torch.empty_like(q4)
+    result[batch.token_idx, batch.head_idx] = out
+    return result.view(t_n, hq, d)
+
+
+__all__ = ["Pages", "RowBatch", "all_layer_pages", "build_row_batch", "one_head_pages", "row_attention", "write_rows"]

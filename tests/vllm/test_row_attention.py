@@ -1,0 +1,198 @@
+"""vLLM's own CPU attention kernel over per-(request, KV head) rows of one-head pages
+(``vtoken_runtime.vllm_plugin.row_attention``): exact against dense attention over each row's keys, pages of any
+block, any head slot and (one page space) any layer, writes that touch only the step's slots, equal to vLLM's
+stock call when every row of a request has the same length and the standard block layout, and a real engine's
+caches form one page space."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from vtoken_runtime.vllm_plugin.row_attention import (  # noqa: E402
+    all_layer_pages,
+    build_row_batch,
+    one_head_pages,
+    row_attention,
+    write_rows,
+)
+
+pytestmark = pytest.mark.vllm
+
+BS, D = 32, 64
+TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
+
+
+def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [n_q, G, D] against a row's k, v [n, D]; query i sees keys <= n - n_q + i."""
+    n, nq = k.shape[0], q.shape[0]
+    s = torch.einsum("qgd,nd->qgn", q.float(), k.float()) * scale
+    qi = torch.arange(nq)[:, None, None]
+    kj = torch.arange(n)[None, None, :]
+    s = s.masked_fill(kj > n - nq + qi, float("-inf"))
+    return torch.einsum("qgn,nd->qgd", s.softmax(-1), v.float())
+
+
+def _case(seed: int, r_n: int, h_n: int, g: int, dtype: torch.dtype, lens: np.ndarray, q: np.ndarray,
+          nb: int, layers: int = 1) -> tuple[float, bool]:
+    """Fill rows (history through vLLM's cache-write op, the step's tokens through ``write_rows``), run
+    ``row_attention``; return (max error vs dense, every slot outside the rows unchanged). ``layers > 1``: the
+    rows' pages come from one page space over ``layers`` caches allocated as vLLM's CPU worker does."""
+    from vllm import _custom_ops as ops
+
+    from vtoken_runtime.vllm_plugin.row_attention import _isa
+
+    gen = torch.Generator().manual_seed(seed)
+    cache = torch.randn(layers, nb, h_n, BS, 2 * D, generator=gen).to(dtype)  # one buffer, layer-major
+    before = cache.clone()
+    space = all_layer_pages(list(cache.unbind(0))) if layers > 1 else one_head_pages(cache[0])
+    keys, values = space
+    perm = torch.randperm(layers * nb * h_n, generator=gen).tolist()
+    pages = []
+    for n in lens.reshape(-1):
+        pages.append([perm.pop() for _ in range(-(-int(n) // BS))])
+    kk = [torch.randn(int(n), D, generator=gen).to(dtype) for n in lens.reshape(-1)]
+    vv = [torch.randn(int(n), D, generator=gen).to(dtype) for n in lens.reshape(-1)]
+    isa = _isa(dtype, BS, D)
+    for i, n in enumerate(lens.reshape(-1)):  # history: all but the step's tokens
+        hist = int(n) - int(q[i // h_n])
+        if hist:
+            pos = np.arange(hist)
+            slots = torch.from_numpy(np.asarray(pages[i])[pos // BS] * BS + pos % BS)
+            ops.cpu_attn_reshape_and_cache(kk[i][:hist, None], vv[i][:hist, None], keys, values, slots, isa)
+    batch = build_row_batch(q.tolist(), lens, pages, BS)
+    t_n = int(q.sum())
+    key = torch.zeros(t_n, h_n, D, dtype=dtype)
+    value = torch.zeros(t_n, h_n, D, dtype=dtype)
+    starts = np.concatenate([[0], np.cumsum(q)[:-1]])
+    for r in range(r_n):
+        for h in range(h_n):
+            n, qr = int(lens[r, h]), int(q[r])
+            key[starts[r]:starts[r] + qr, h] = kk[r * h_n + h][n - qr:]
+            value[starts[r]:starts[r] + qr, h] = vv[r * h_n + h][n - qr:]
+    write_rows(key, value, space, batch)
+    query = torch.randn(t_n, h_n * g, D, generator=gen).to(dtype)
+    scale = D ** -0.5
+    out = row_attention(query, space, batch, scale)
+    err = 0.0
+    for r in range(r_n):
+        for h in range(h_n):
+            qr = int(q[r])
+            if not qr:
+                continue
+            sl = slice(starts[r], starts[r] + qr)
+            ref = _dense(query[sl, h * g:(h + 1) * g], kk[r * h_n + h], vv[r * h_n + h], scale)
+            err = max(err, (out[sl, h * g:(h + 1) * g].float() - ref).abs().max().item())
+    used = set(p for ps in pages for p in ps)
+    k_pages, v_pages = all_layer_pages(list(before.unbind(0))) if layers > 1 else one_head_pages(before[0])
+    untouched = all(torch.equal(keys[p], k_pages[p]) and torch.equal(values[p], v_pages[p])
+                    for p in range(layers * nb * h_n) if p not in used)
+    return err, untouched
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**16), r_n=st.integers(1, 4), h_n=st.integers(1, 3), g=st.integers(1, 3),
+       data=st.data())
+def test_rows_of_different_lengths_equal_dense_attention_over_each_rows_keys(seed: int, r_n: int, h_n: int, g: int,
+                                                                            data: st.DataObject) -> None:
+    q = np.array(data.draw(st.lists(st.integers(0, 4), min_size=r_n, max_size=r_n)), dtype=np.int64)
+    lens = np.array([[data.draw(st.integers(max(1, int(q[r])), 150)) for _ in range(h_n)] for r in range(r_n)],
+                    dtype=np.int64)
+    nb = int(sum(-(-int(n) // BS) for n in lens.reshape(-1))) // h_n + 2
+    err, untouched = _case(seed, r_n, h_n, g, torch.float32, lens, q, nb)
+    assert err < TOL[torch.float32]
+    assert untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_and_chunk_rows_in_one_call(dtype: torch.dtype) -> None:
+    """A decode request (one token), a prefill chunk (several) and a row far longer than its sibling heads."""
+    lens = np.array([[77, 20, 5], [130, 3, 64]], dtype=np.int64)
+    err, untouched = _case(1, 2, 3, 2, dtype, lens, np.array([1, 3]), nb=12)
+    assert err < TOL[dtype]
+    assert untouched
+
+
+def test_rows_use_pages_of_any_layer_in_one_page_space() -> None:
+    """Three layers in one buffer: rows take pages from all of them (the page of layer ``l``, block ``b``, head
+    ``h`` is ``(l * NB + b) * H + h``), and a page number addresses exactly that layer's memory."""
+    lens = np.array([[90, 7], [12, 140]], dtype=np.int64)
+    err, untouched = _case(5, 2, 2, 2, torch.float32, lens, np.array([2, 1]), nb=3, layers=3)
+    assert err < TOL[torch.float32]
+    assert untouched
+    cache = torch.zeros(3, 4, 2, BS, 2 * D)
+    keys, values = all_layer_pages(list(cache.unbind(0)))
+    keys[(2 * 4 + 1) * 2 + 1].fill_(1.0)  # layer 2, block 1, head 1: the page's first half (keys)
+    values[(1 * 4 + 3) * 2 + 0].fill_(2.0)  # layer 1, block 3, head 0: its second half (values)
+    assert cache[2, 1, 1].reshape(-1)[:BS * D].eq(1).all() and cache[1, 3, 0].reshape(-1)[BS * D:].eq(2).all()
+    assert cache.ne(0).sum().item() == 2 * BS * D
+
+
+def test_a_real_engines_caches_are_one_page_space(tmp_path) -> None:
+    """vLLM's CPU worker allocates every layer's cache in one buffer, in layer order (what one page space for
+    all layers relies on); separate tensors are refused."""
+    from tests.vllm._vllm_helpers import engine, make_tiny_model, runner
+
+    llm = engine(make_tiny_model(tmp_path / "tiny"), None, blocks=20)
+    caches = runner(llm).kv_caches
+    keys, _ = all_layer_pages(caches)
+    nb, h = caches[0].shape[:2]
+    assert keys.shape[0] == len(caches) * nb * h
+    assert keys[nb * h].data_ptr() == caches[1].data_ptr()  # the first page of layer 1
+    with pytest.raises(ValueError, match="one allocation"):
+        all_layer_pages([torch.zeros(4, 2, BS, 2 * D), torch.zeros(4, 2, BS, 2 * D)])
+    del llm
+
+
+def test_equal_rows_on_the_standard_block_table_equal_vllms_stock_call() -> None:
+    """Every row of a request as long as the request and page = block * H + head: the per-row call gives what
+    vLLM's own call over the layer's block table gives, on the same memory."""
+    from vllm import _custom_ops as ops
+
+    from vtoken_runtime.vllm_plugin.row_attention import _isa
+
+    h_n, g, nb = 2, 3, 8
+    seq = [70, 33]
+    q = np.array([1, 2])
+    gen = torch.Generator().manual_seed(3)
+    cache = torch.zeros(nb, h_n, BS, 2 * D)
+    kc, vc = cache.view(nb, h_n, 2 * BS, D).chunk(2, dim=2)
+    blocks = [[0, 5, 2], [7, 1]]
+    isa = _isa(torch.float32, BS, D)
+    for r, n in enumerate(seq):
+        pos = np.arange(n)
+        slots = torch.from_numpy(np.asarray(blocks[r])[pos // BS] * BS + pos % BS)
+        ops.cpu_attn_reshape_and_cache(torch.randn(n, h_n, D, generator=gen), torch.randn(n, h_n, D, generator=gen),
+                                       kc, vc, slots, isa)
+    query = torch.randn(int(q.sum()), h_n * g, D, generator=gen)
+    qsl = torch.tensor([0, 1, 3], dtype=torch.int32)
+    seq_t = torch.tensor(seq, dtype=torch.int32)
+    table = torch.tensor([[0, 5, 2], [7, 1, 0]], dtype=torch.int32)
+    stock = torch.empty_like(query)
+    meta = ops.cpu_attn_get_scheduler_metadata(num_reqs=2, num_heads=h_n * g, num_kv_heads=h_n, head_dim=D,
+                                               seq_lens=seq_t, dtype=torch.float32, query_start_loc=qsl, causal=True,
+                                               sliding_window_size=-1, isa=isa, enable_kv_split=False)
+    ops.cpu_attention_with_kv_cache(query=query, key_cache=kc, value_cache=vc, output=stock, query_start_loc=qsl,
+                                    seq_lens=seq_t, scale=D ** -0.5, causal=True, alibi_slopes=None, sliding_window=-1,
+                                    block_table=table, softcap=0.0, scheduler_metadata=meta, s_aux=None)
+    pages = [[b * h_n + h for b in blocks[r]] for r in range(2) for h in range(h_n)]
+    lens = np.array([[seq[0]] * h_n, [seq[1]] * h_n])
+    ours = row_attention(query, one_head_pages(cache), build_row_batch(q.tolist(), lens, pages, BS), D ** -0.5)
+    assert (ours - stock).abs().max().item() < 1e-5
+
+
+def test_bad_metadata_is_refused_with_the_reason() -> None:
+    with pytest.raises(ValueError, match="row 1 holds 40 tokens in 1 pages of 32"):
+        build_row_batch([1], np.array([[10, 40]]), [[0], [1]], BS)
+    with pytest.raises(ValueError, match="shorter than its request's new tokens"):
+        build_row_batch([5], np.array([[10, 4]]), [[0], [1]], BS)
+    with pytest.raises(ValueError, match="one per row"):
+        build_row_batch([1], np.array([[10, 4]]), [[0]], BS)
+    with pytest.raises(ValueError, match="vLLM's CPU layout"):
+        one_head_pages(torch.zeros(4, 2, 32, 63))
