@@ -143,6 +143,19 @@ def build_row_batch(query_lens: Sequence[int], row_lens: np.ndarray, row_pages: 
                     max_seq_len=int(lens.max(initial=0)))
 
 
+def vllm_pages(pages: np.ndarray, num_layers: int, num_kv_heads: int, num_blocks: int) -> np.ndarray:
+    """Page ids of :class:`~vtoken_runtime.page_table.PageTable` (block-major: ``b * (L * H) + l * H + h``, what
+    its bookkeeping counts blocks by) -> the same pages in :func:`all_layer_pages`'s numbering
+    (``(l * NB + b) * H + h``); ``-1`` (no page) stays ``-1``."""
+    p = np.asarray(pages, dtype=np.int64)
+    per_block = num_layers * num_kv_heads
+    b, rem = p // per_block, p % per_block
+    out = (rem // num_kv_heads * num_blocks + b) * num_kv_heads + rem % num_kv_heads
+    if ((p >= 0) & (b >= num_blocks)).any():
+        raise ValueError(f"vtoken: a page of block >= {num_blocks} (the cache's blocks)")
+    return np.where(p < 0, -1, out)
+
+
 def _isa(dtype: torch.dtype, block_size: int, head_size: int) -> str:
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
@@ -188,4 +201,5 @@ def row_attention(query: torch.Tensor, pages: Pages, batch: RowBatch, scale: flo
     return result.view(t_n, hq, d)
 
 
-__all__ = ["Pages", "RowBatch", "all_layer_pages", "build_row_batch", "one_head_pages", "row_attention", "write_rows"]
+__all__ = ["Pages", "RowBatch", "all_layer_pages", "build_row_batch", "one_head_pages", "row_attention", "vllm_pages",
+           "write_rows"]

@@ -20,6 +20,7 @@ from vtoken_runtime.vllm_plugin.row_attention import (  # noqa: E402
     build_row_batch,
     one_head_pages,
     row_attention,
+    vllm_pages,
     write_rows,
 )
 
@@ -196,3 +197,71 @@ def test_bad_metadata_is_refused_with_the_reason() -> None:
         build_row_batch([1], np.array([[10, 4]]), [[0]], BS)
     with pytest.raises(ValueError, match="vLLM's CPU layout"):
         one_head_pages(torch.zeros(4, 2, 32, 63))
+
+
+def test_a_page_tables_rows_attend_through_vllms_kernel_layer_by_layer() -> None:
+    """The HF side's ``PageTable`` lays out two requests with unequal rows over shared blocks (adopt, then a
+    decode step's ``reserve``); its page ids, renumbered for vLLM's buffer (``vllm_pages``), address exactly the
+    memory the bookkeeping says, and every layer's attention equals dense attention over each row's tokens."""
+    from vllm import _custom_ops as ops
+
+    from vtoken_runtime.page_table import PageTable
+    from vtoken_runtime.vllm_plugin.row_attention import _isa
+
+    L, H, g, nb = 3, 2, 2, 10
+    rng = np.random.default_rng(7)
+    table = PageTable(L, H, BS, max_requests=4, debug=True)
+    cache = torch.zeros(L, nb, H, BS, 2 * D)
+    space = all_layer_pages(list(cache.unbind(0)))
+    kv: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (req, row, position) -> (k, v)
+    free_blocks = list(rng.permutation(nb))
+    isa = _isa(torch.float32, BS, D)
+    logical = {0: 150, 1: 90}
+    for req, n in logical.items():
+        table.add(req, np.zeros(0, np.int64))
+        rows = [np.sort(rng.choice(n, size=int(rng.integers(1, n)), replace=False)) for _ in range(L * H)]
+        blocks = [int(free_blocks.pop()) for _ in range(-(-sum(-(-r.size // BS) for r in rows) // (L * H)))]
+        slots, spare = table.adopt(req, rows, blocks, n)
+        free_blocks += spare
+        for r, (pos, sl) in enumerate(zip(rows, slots, strict=True)):
+            k, v = torch.randn(pos.size, D), torch.randn(pos.size, D)
+            for i, p in enumerate(pos):
+                kv[req, r, int(p)] = (k[i], v[i])
+            pg = vllm_pages(np.asarray(sl) // BS, L, H, nb)
+            ops.cpu_attn_reshape_and_cache(k[:, None], v[:, None], *space, torch.from_numpy(pg * BS + np.asarray(sl) % BS),
+                                           isa)
+    for req in logical:  # one decode step: every row appends the next position
+        new = [int(free_blocks.pop()) for _ in range(table.blocks_needed(req, 1))]
+        table.reserve(req, 1, new)
+    scale = D ** -0.5
+    for layer in range(L):
+        pt, lens = table.batch_tables([0, 1], slice(layer * H, (layer + 1) * H))
+        pages = [vllm_pages(pt[b, h][pt[b, h] >= 0], L, H, nb).tolist() for b in range(2) for h in range(H)]
+        batch = build_row_batch([1, 1], lens, pages, BS)
+        key, value = torch.randn(2, H, D), torch.randn(2, H, D)
+        write_rows(key, value, space, batch)
+        for b, req in enumerate(logical):
+            for h in range(H):
+                kv[req, layer * H + h, logical[req]] = (key[b, h], value[b, h])
+        query = torch.randn(2, H * g, D)
+        out = row_attention(query, space, batch, scale)
+        for b, req in enumerate(logical):
+            for h in range(H):
+                r = layer * H + h
+                pos = table.get(req).pos[r]
+                k = torch.stack([kv[req, r, int(p)][0] for p in pos])
+                v = torch.stack([kv[req, r, int(p)][1] for p in pos])
+                ref = _dense(query[b:b + 1, h * g:(h + 1) * g], k, v, scale)
+                assert (out[b:b + 1, h * g:(h + 1) * g] - ref).abs().max().item() < 1e-5
+
+
+def test_page_ids_renumber_between_the_page_table_and_vllms_buffer() -> None:
+    L, H, nb = 3, 2, 5
+    p = np.arange(nb * L * H)
+    q = vllm_pages(p, L, H, nb)
+    assert sorted(q.tolist()) == p.tolist()  # a bijection over the same pages
+    b, rem = p // (L * H), p % (L * H)
+    assert (q == ((rem // H) * nb + b) * H + rem % H).all()
+    assert vllm_pages(np.array([-1, 3]), L, H, nb).tolist() == [-1, 11]  # page 3: block 0, layer 1, head 1
+    with pytest.raises(ValueError, match="block >= 5"):
+        vllm_pages(np.array([nb * L * H]), L, H, nb)
