@@ -156,6 +156,32 @@ def vllm_pages(pages: np.ndarray, num_layers: int, num_kv_heads: int, num_blocks
     return np.where(p < 0, -1, out)
 
 
+def move_tokens(kv_caches: Sequence[torch.Tensor], src: np.ndarray, dst: np.ndarray, kmap: np.ndarray,
+                vmap: np.ndarray) -> None:
+    """Apply a :class:`~vtoken_runtime.page_table.PageTable` plan (``RowPlan.src`` -> ``dst``, page slots in its
+    numbering) to vLLM's buffer: every token-head's K and V elements, at the offsets of the probed layout
+    (``cpu_layout.probe_cpu_kv_layout``: ``kmap``, ``vmap [bs, D]`` inside one page), all sources read before
+    any write (a plan's sources and destinations may share pages)."""
+    if len(src) != len(dst):
+        raise ValueError(f"vtoken: {len(src)} sources for {len(dst)} destinations")
+    if not len(src):
+        return
+    all_layer_pages(kv_caches)  # validates: one buffer, layer order
+    first = kv_caches[0]
+    nb, h, bs, d2 = first.shape
+    region = bs * d2  # elements of one page: K and V of bs positions
+    flat = torch.as_strided(first, (len(kv_caches) * nb * h * region,), (1,))
+    kv = np.concatenate([kmap, vmap], axis=1)  # [bs, 2D]: a token's K then V elements
+
+    def elements(slots: np.ndarray) -> torch.Tensor:
+        s = np.asarray(slots, dtype=np.int64)
+        page = vllm_pages(s // bs, len(kv_caches), h, nb)
+        return torch.from_numpy((page * region)[:, None] + kv[s % bs]).reshape(-1)
+
+    s_el, d_el = elements(src), elements(dst)
+    flat[d_el] = flat[s_el].clone()
+
+
 def _isa(dtype: torch.dtype, block_size: int, head_size: int) -> str:
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
@@ -201,5 +227,5 @@ def row_attention(query: torch.Tensor, pages: Pages, batch: RowBatch, scale: flo
     return result.view(t_n, hq, d)
 
 
-__all__ = ["Pages", "RowBatch", "all_layer_pages", "build_row_batch", "one_head_pages", "row_attention", "vllm_pages",
-           "write_rows"]
+__all__ = ["Pages", "RowBatch", "all_layer_pages", "build_row_batch", "move_tokens", "one_head_pages", "row_attention",
+           "vllm_pages", "write_rows"]

@@ -18,6 +18,7 @@ from hypothesis import strategies as st  # noqa: E402
 from vtoken_runtime.vllm_plugin.row_attention import (  # noqa: E402
     all_layer_pages,
     build_row_batch,
+    move_tokens,
     one_head_pages,
     row_attention,
     vllm_pages,
@@ -199,10 +200,13 @@ def test_bad_metadata_is_refused_with_the_reason() -> None:
         one_head_pages(torch.zeros(4, 2, 32, 63))
 
 
-def test_a_page_tables_rows_attend_through_vllms_kernel_layer_by_layer() -> None:
+@pytest.mark.parametrize("evict", [False, True])
+def test_a_page_tables_rows_attend_through_vllms_kernel_layer_by_layer(evict: bool) -> None:
     """The HF side's ``PageTable`` lays out two requests with unequal rows over shared blocks (adopt, then a
     decode step's ``reserve``); its page ids, renumbered for vLLM's buffer (``vllm_pages``), address exactly the
-    memory the bookkeeping says, and every layer's attention equals dense attention over each row's tokens."""
+    memory the bookkeeping says, and every layer's attention equals dense attention over each row's tokens.
+    ``evict`` (before the decode step): each row keeps a random subset and the plan's moves (``move_tokens``, the probed layout) are
+    applied to vLLM's buffer; the blocks it frees are written with garbage, which no row may read."""
     from vllm import _custom_ops as ops
 
     from vtoken_runtime.page_table import PageTable
@@ -230,6 +234,21 @@ def test_a_page_tables_rows_attend_through_vllms_kernel_layer_by_layer() -> None
             pg = vllm_pages(np.asarray(sl) // BS, L, H, nb)
             ops.cpu_attn_reshape_and_cache(k[:, None], v[:, None], *space, torch.from_numpy(pg * BS + np.asarray(sl) % BS),
                                            isa)
+    if evict:
+        from vtoken_runtime.vllm_plugin.cpu_layout import probe_cpu_kv_layout
+
+        kmap, vmap = probe_cpu_kv_layout(isa, torch.float32, BS, D)
+        freed_total = 0
+        for req in logical:
+            keep = [rng.random(p.size) < 0.4 for p in table.get(req).pos]
+            keep = [k if k.any() or not k.size else np.eye(1, k.size, dtype=bool)[0] for k in keep]
+            plan = table.evict(req, keep)
+            move_tokens(list(cache.unbind(0)), plan.src, plan.dst, kmap, vmap)
+            for b in plan.freed:
+                cache[:, b].fill_(1e4)  # a freed block is reused by someone else
+            free_blocks += plan.freed
+            freed_total += len(plan.freed)
+        assert freed_total > 0
     for req in logical:  # one decode step: every row appends the next position
         new = [int(free_blocks.pop()) for _ in range(table.blocks_needed(req, 1))]
         table.reserve(req, 1, new)
