@@ -17,7 +17,7 @@ On a machine without CUDA it chooses the CPU settings the plugin needs unless yo
 compile cache cannot be loaded back on CPU, so every start compiled again; torch's inductor cache, used
 without AOT, is), ``ONEDNN_PRIMITIVE_CACHE_CAPACITY=128`` (oneDNN's primitive cache; vLLM's CPU linears keep
 one oneDNN primitive per token count a step had, so at oneDNN's default of 1,024 the server's memory grows with
-every new prompt length by up to ~300 MB on SmolLM2: docs/vllm.md, soak) and a 1 GiB KV cache
+every new prompt length, by up to ~830 MB on SmolLM2: docs/vllm.md, soak) and a 1 GiB KV cache
 (``--kv-cache-memory-bytes``; vLLM's CPU default reserves 92% of the machine's memory and refuses to start
 when that much is not free). The server listens on 127.0.0.1 unless ``--host`` (or ``--uds``) is given.
 """
@@ -124,10 +124,10 @@ def server_command(model: str, policy: str, mode: str, eviction_ratio: float | N
         env["VLLM_USE_AOT_COMPILE"] = os.environ.get("VLLM_USE_AOT_COMPILE", "0")
         # vLLM's CPU linears (onednn_mm) build one oneDNN matmul primitive per (weight shape, token count M) and
         # keep it in two caches: vLLM's LRU of 32 Ms per weight shape and oneDNN's global primitive cache. A
-        # primitive holds ~270 KB of heap (its brgemm descriptors), and every step with a new token count (any
-        # new prompt length) makes one per weight shape, so at oneDNN's default capacity of 1,024 a server's
-        # resident memory climbs until ~1,200 primitives are held. 128 bounds that, while the step sizes in use
-        # (decode batches) stay in vLLM's own LRU (measured: docs/vllm.md, soak)
+        # primitive holds ~0.7 MB of heap, and steps with new token counts (new prompt lengths) create new ones,
+        # so at oneDNN's default capacity of 1,024 a server's resident memory climbs until ~1,180 primitives are
+        # held. 128 bounds that to ~290, while the step sizes in use (decode batches) stay in vLLM's own LRU
+        # (measured: docs/vllm.md, soak)
         env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_CACHE))
         if _flag_value(vllm_args, "--kv-cache-memory-bytes") is None and \
                 _flag_value(vllm_args, "--gpu-memory-utilization") is None:
