@@ -96,51 +96,51 @@ class RowBatch:
     max_seq_len: int
 
 
-def build_row_batch(query_lens: Sequence[int], row_lens: np.ndarray, row_pages: Sequence[Sequence[int]],
-                    block_size: int) -> RowBatch:
+def build_row_batch(query_lens: Sequence[int], row_lens: np.ndarray,
+                    row_pages: Sequence[Sequence[int]] | np.ndarray, block_size: int) -> RowBatch:
     """Metadata for one layer: ``query_lens [R]`` new tokens per request (its tokens are contiguous in the
     batch, request after request), ``row_lens [R, H]`` each row's length *including* those tokens,
-    ``row_pages`` (``R*H`` lists, row ``r*H + h``) pages that hold them. ValueError when a row is shorter than
-    its new tokens or has too few pages."""
+    ``row_pages`` the pages that hold them: ``R*H`` lists (row ``r*H + h``) or an array ``[R*H, P]`` padded with
+    ``-1`` (``PageTable.batch_tables``' form). Vectorized (numpy): no Python loop over rows. ValueError when a
+    row is shorter than its new tokens or has too few pages."""
     lens = np.asarray(row_lens, dtype=np.int64)
     r_n, h_n = lens.shape
+    rows = r_n * h_n
     q = np.asarray(query_lens, dtype=np.int64)
     if q.shape != (r_n,) or (q < 0).any():
         raise ValueError(f"vtoken: query_lens {q.tolist()}; expected {r_n} counts >= 0")
-    if len(row_pages) != r_n * h_n:
+    if len(row_pages) != rows:
         raise ValueError(f"vtoken: {len(row_pages)} page lists; expected one per row ({r_n} x {h_n})")
     if (lens < q[:, None]).any():
         raise ValueError("vtoken: a row is shorter than its request's new tokens")
-    need = -(-lens.reshape(-1) // block_size)
-    have = np.array([len(p) for p in row_pages], dtype=np.int64)
+    if isinstance(row_pages, np.ndarray):
+        table = row_pages.astype(np.int64, copy=False).reshape(rows, -1)
+    else:
+        width = max((len(p) for p in row_pages), default=0)
+        table = np.full((rows, max(1, width)), -1, dtype=np.int64)
+        for i, pg in enumerate(row_pages):
+            table[i, :len(pg)] = pg
+    have = (table >= 0).sum(axis=1)
+    flat = lens.reshape(-1)
+    need = -(-flat // block_size)
     if (have < need).any():
         i = int(np.argmax(have < need))
-        raise ValueError(f"vtoken: row {i} holds {lens.reshape(-1)[i]} tokens in {have[i]} pages of {block_size}; "
+        raise ValueError(f"vtoken: row {i} holds {flat[i]} tokens in {have[i]} pages of {block_size}; "
                          f"expected >= {need[i]}")
-    starts = np.concatenate([[0], np.cumsum(q)[:-1]])
-    tok, head, slots, qsl = [], [], [], [0]
-    for r in range(r_n):
-        for h in range(h_n):
-            n, qr = int(lens[r, h]), int(q[r])
-            pos = np.arange(n - qr, n)
-            pages = np.asarray(row_pages[r * h_n + h], dtype=np.int64)
-            tok.append(starts[r] + np.arange(qr))
-            head.append(np.full(qr, h))
-            slots.append(pages[pos // block_size] * block_size + pos % block_size)
-            qsl.append(qsl[-1] + qr)
-    width = max(1, int(have.max(initial=0)))
-    table = np.zeros((r_n * h_n, width), dtype=np.int32)
-    for i, p in enumerate(row_pages):
-        table[i, :len(p)] = p
-
-    def cat(xs: list[np.ndarray]) -> torch.Tensor:
-        return torch.from_numpy(np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64)).to(torch.int64)
-
-    return RowBatch(num_kv_heads=h_n, token_idx=cat(tok), head_idx=cat(head),
-                    query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-                    seq_lens=torch.from_numpy(lens.reshape(-1).astype(np.int32)),
-                    block_table=torch.from_numpy(table), slots=cat(slots),
-                    max_seq_len=int(lens.max(initial=0)))
+    q_row = np.repeat(q, h_n)  # new tokens of every row
+    row_of = np.repeat(np.arange(rows), q_row)  # the row of every packed token
+    first = np.cumsum(q_row) - q_row
+    within = np.arange(row_of.size) - first[row_of]
+    starts = np.cumsum(q) - q  # a request's first token in the batch
+    pos = flat[row_of] - q_row[row_of] + within
+    slots = table[row_of, pos // block_size] * block_size + pos % block_size
+    qsl = np.concatenate([[0], np.cumsum(q_row)])
+    return RowBatch(num_kv_heads=h_n, token_idx=torch.from_numpy(starts[row_of // h_n] + within),
+                    head_idx=torch.from_numpy(row_of % h_n),
+                    query_start_loc=torch.from_numpy(qsl.astype(np.int32)),
+                    seq_lens=torch.from_numpy(flat.astype(np.int32)),
+                    block_table=torch.from_numpy(np.maximum(table, 0).astype(np.int32)),
+                    slots=torch.from_numpy(slots.astype(np.int64)), max_seq_len=int(flat.max(initial=0)))
 
 
 def vllm_pages(pages: np.ndarray, num_layers: int, num_kv_heads: int, num_blocks: int) -> np.ndarray:

@@ -255,7 +255,7 @@ def test_a_page_tables_rows_attend_through_vllms_kernel_layer_by_layer(evict: bo
     scale = D ** -0.5
     for layer in range(L):
         pt, lens = table.batch_tables([0, 1], slice(layer * H, (layer + 1) * H))
-        pages = [vllm_pages(pt[b, h][pt[b, h] >= 0], L, H, nb).tolist() for b in range(2) for h in range(H)]
+        pages = vllm_pages(pt, L, H, nb).reshape(2 * H, -1)  # the padded array form (-1 past a row's pages)
         batch = build_row_batch([1, 1], lens, pages, BS)
         key, value = torch.randn(2, H, D), torch.randn(2, H, D)
         write_rows(key, value, space, batch)
