@@ -115,7 +115,14 @@ class PageTable:
     """All row requests of one cache: rows ``R = num_layers * num_kv_heads`` (row ``r = layer * H + head``)."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, block_size: int, max_requests: int,
-                 debug: bool | None = None) -> None:
+                 debug: bool | None = None, release: str = "emptiest") -> None:
+        """``release``: which blocks an eviction empties. ``"emptiest"`` (the HF session) frees the blocks with
+        the fewest used pages, so the fewest pages move; ``"tail"`` frees the last blocks of the request's
+        block list, so an owner that can only shorten a request's list (vLLM's, through the plugin's
+        truncation; decision 8) sees a truncation. Both hold R4: the same number of blocks remains."""
+        if release not in ("emptiest", "tail"):
+            raise ValueError(f"release must be 'emptiest' or 'tail', got {release!r}")
+        self.release = release
         for name, v in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("block_size", block_size),
                         ("max_requests", max_requests)):
             if int(v) <= 0:
@@ -303,9 +310,10 @@ class PageTable:
         return a, b
 
     def _repack(self, st: RowRequest) -> tuple[dict[int, int], list[int]]:
-        """Move used pages out of the emptiest blocks into free pages of the fullest; returns
-        ``({old page: new page}, freed blocks)``. Keeps the blocks with the most used pages (ties: earlier
-        in the block list), so the fewest pages move."""
+        """Move used pages out of the blocks to free into free pages of the blocks kept; returns
+        ``({old page: new page}, freed blocks)``. ``release="emptiest"`` keeps the blocks with the most used
+        pages (ties: earlier in the block list), so the fewest pages move; ``"tail"`` keeps the list's first
+        ``ceil(pages / P)`` blocks."""
         P = self.pages_per_block
         k = cdiv(st.pages_used, P)
         if len(st.blocks) <= k:
@@ -314,8 +322,11 @@ class PageTable:
         index = {b: i for i, b in enumerate(st.blocks)}
         for pg in (pg for row in st.pages for pg in row):
             used[index[pg // P]] += 1
-        order = np.argsort(-used, kind="stable")
-        keep_idx, drop_idx = sorted(order[:k].tolist()), order[k:].tolist()
+        if self.release == "tail":  # keep the list's head: the owner truncates
+            keep_idx, drop_idx = list(range(k)), list(range(k, len(st.blocks)))
+        else:
+            order = np.argsort(-used, kind="stable")
+            keep_idx, drop_idx = sorted(order[:k].tolist()), order[k:].tolist()
         kept_blocks = [st.blocks[i] for i in keep_idx]
         dropped_list = [st.blocks[i] for i in sorted(drop_idx)]
         dropped = set(dropped_list)

@@ -32,7 +32,8 @@ ReqId = Hashable
 class RowCache:
     """Row requests over ``kv_all [L, 2, NB, bs, H_kv, D]`` and the shared block ``pool``."""
 
-    def __init__(self, kv_all: torch.Tensor, pool: BlockPool, max_requests: int, debug: bool | None = None) -> None:
+    def __init__(self, kv_all: torch.Tensor, pool: BlockPool, max_requests: int, debug: bool | None = None,
+                 release: str = "emptiest") -> None:
         if kv_all.dim() != 6 or kv_all.shape[1] != 2:
             raise ValueError(f"kv_all must be [L, 2, NB, bs, H_kv, D], got {list(kv_all.shape)}")
         L, _, nb, bs, H, D = kv_all.shape
@@ -40,7 +41,7 @@ class RowCache:
             raise ValueError(f"kv_all has {nb} blocks, the pool {pool.num_blocks}")
         self.kv_all, self.pool = kv_all, pool
         self.num_layers, self.num_kv_heads, self.block_size, self.head_size = L, H, bs, D
-        self.table = PageTable(L, H, bs, max_requests, debug=debug)
+        self.table = PageTable(L, H, bs, max_requests, debug=debug, release=release)
 
     # ---------------------------------------------------------------- requests
     def __contains__(self, req_id: object) -> bool:
