@@ -81,6 +81,9 @@ def _free_port() -> int:
 
 
 # ------------------------------------------------------------------ the server
+# the environment the memory figures depend on, as the server got it (the report's server_env)
+MEMORY_ENV = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "VTOKEN_MALLOC_TRIM_S", "MALLOC_ARENA_MAX", "LD_PRELOAD")
+
 def server_command(cfg: SoakConfig, model: str, port: int) -> list[str]:
     from .serve_engine import kv_bytes
 
@@ -147,6 +150,19 @@ class Server:
             except psutil.NoSuchProcess:
                 pass
         return out
+
+
+    def server_env(self, names: tuple[str, ...] = MEMORY_ENV) -> dict[str, str | None]:
+        """``names`` in the server process's environment (what ``serve`` exec'ed it with; vLLM's engine core and
+        workers inherit it: their own ``/proc/<pid>/environ`` is overwritten by their process titles, so it
+        is read here). Empty when the process is gone."""
+        import psutil
+
+        try:
+            env = psutil.Process(self.proc.pid).environ()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            return {}
+        return {k: env.get(k) for k in names}
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -349,6 +365,7 @@ async def soak_phases(server: Server, cfg: SoakConfig, model: str) -> dict[str, 
         _log(f"warm-up: {[(r.kind, r.status, r.ok) for r in warm]} in {time.monotonic() - t0:.1f} s")
         m0 = await wait_idle(client, server.base)
         rss0 = server.rss_by_process()
+        server_env = server.server_env()
         samples: list[tuple[float, dict[str, int]]] = []
         stop = asyncio.Event()
         sampler = asyncio.create_task(_rss_sampler(server, samples, stop))
@@ -365,7 +382,8 @@ async def soak_phases(server: Server, cfg: SoakConfig, model: str) -> dict[str, 
         optout = await send(client, server.base, extra["opt_out"])
         m3 = await wait_idle(client, server.base)
     return {"results": results, "warm": warm, "m0": m0, "m1": m1, "m2": m2, "m3": m3, "rss": (rss0, rss1),
-            "rss_samples": samples, "replays": replays, "optout": optout, "run_s": run_s, "specs": specs}
+            "rss_samples": samples, "replays": replays, "optout": optout, "run_s": run_s, "specs": specs,
+            "server_env": server_env}
 
 
 def _model_shape(model: str) -> tuple[int, int]:
@@ -430,6 +448,7 @@ def summarise(cfg: SoakConfig, ph: dict[str, Any], model: str, cmd: list[str], w
                                "extra key, dropped with a debug log; ChatCompletionRequest declares it and nothing "
                                "reads it): not part of the mix"},
         "server_command": shlex.join(cmd),
+        "server_env": ph["server_env"],
         "config": {"minutes": cfg.minutes, "max_requests": cfg.max_requests, "rate_rps": cfg.rate,
                    "prompt_tokens": list(cfg.prompt_tokens), "output_tokens": list(cfg.output_tokens),
                    "max_model_len": cfg.max_model_len, "kv_blocks": cfg.kv_blocks, "block_size": cfg.block_size,

@@ -44,4 +44,6 @@ def test_one_minute_soak_passes_every_check(tmp_path: Path) -> None:
     assert got["config"]["warm_requests"] == 2
     assert len(got["rss_trajectory"]["quarters_pct"]) == 4 and got["rss_by_process"]["end"]
     assert "--dtype float32" in got["server_command"]
+    # the server runs with the oneDNN cache serve sets (the worker's memory bound: docs/vllm.md, soak)
+    assert got["server_env"]["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "128"
     print(f"soak wall time {wall:.0f} s")
