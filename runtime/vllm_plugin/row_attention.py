@@ -1,13 +1,14 @@
 """Attention over per-row pages with vLLM's own CPU attention kernel (issue 39's first piece: no new kernel).
 
 A row is one (request, KV head) of one layer, with its own length and its own list of pages. vLLM's CPU cache
-for a layer is ``[NB, H, bs, 2D]`` (block, KV head, position, K then V), so every (block, head) is one
-contiguous page of ``bs`` key rows followed by ``bs`` value rows, and the layer's cache *is* a pool of
-one-head pages::
+for a layer is allocated ``[NB, H, bs, 2D]``: every (block, KV head) is one contiguous region of ``2 * bs * D``
+elements, the keys of its ``bs`` positions in its first half and their values in the second (inside each half
+in the layout ``cpu_attn_reshape_and_cache`` writes for the ISA: ``cpu_layout.probe_cpu_kv_layout``). So the
+layer's cache *is* a pool of one-head pages::
 
     kv_cache [NB, H, bs, 2D]            one_head_pages(kv_cache)          page p = block * H + head
-    block b: | head 0 | head 1 |  ->    [NB*H, 1, bs, D] keys   (K rows of page p)
-                                        [NB*H, 1, bs, D] values (V rows of page p)
+    block b: | head 0 | head 1 |  ->    [NB*H, 1, bs, D] keys   (first half of page p)
+                                        [NB*H, 1, bs, D] values (second half of page p)
 
 vLLM's kernel (``cpu_attention_with_kv_cache``) is then called with one *sequence* per row: ``num_kv_heads=1``,
 ``num_heads = H_q / H`` (the row's query heads), the row's length as ``seq_lens`` and its page ids as its
@@ -23,6 +24,9 @@ is the pages ``{(l * NB + b) * H + h}``: it can return to vLLM's pool once all `
 
 Keys and values are written with vLLM's ``cpu_attn_reshape_and_cache`` through the same view (slot =
 ``page * bs + offset``): the kernel reads keys in the layout that op writes, not plain rows.
+
+The HF side's :class:`~vtoken_runtime.page_table.PageTable` does the bookkeeping: :func:`vllm_pages` renumbers
+its (block-major) page ids for this buffer and :func:`move_tokens` applies its eviction plans here.
 
 Verified exact against a dense torch reference on vLLM's real kernel (``tests/vllm/test_row_attention.py``).
 Not yet wired into the engine (per-layer metadata in the worker, the scheduler's accounting): docs/vllm.md.
