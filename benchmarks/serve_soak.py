@@ -84,6 +84,7 @@ def _free_port() -> int:
 # the environment the memory figures depend on, as the server got it (the report's server_env)
 MEMORY_ENV = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "VTOKEN_MALLOC_TRIM_S", "MALLOC_ARENA_MAX", "LD_PRELOAD")
 
+
 def server_command(cfg: SoakConfig, model: str, port: int) -> list[str]:
     from .serve_engine import kv_bytes
 
@@ -150,7 +151,6 @@ class Server:
             except psutil.NoSuchProcess:
                 pass
         return out
-
 
     def server_env(self, names: tuple[str, ...] = MEMORY_ENV) -> dict[str, str | None]:
         """``names`` in the server process's environment (what ``serve`` exec'ed it with; vLLM's engine core and

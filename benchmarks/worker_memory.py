@@ -48,9 +48,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--policy", default="", help="run the vtoken plugin with this policy at ratio 0.5")
     args = ap.parse_args(argv)
 
-    for k, v in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-                 "VLLM_USE_V2_MODEL_RUNNER": "0", "HF_HUB_OFFLINE": "1"}.items():
-        os.environ.setdefault(k, v)
+    from vtoken_bench.serve_config import set_env
+
+    set_env()  # the in-process engine settings every serving benchmark uses
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 

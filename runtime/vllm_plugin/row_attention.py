@@ -45,31 +45,26 @@ Pages = tuple[torch.Tensor, torch.Tensor]  # (keys, values), each [pages, 1, bs,
 
 def one_head_pages(kv_cache: torch.Tensor) -> Pages:
     """``[NB, H, bs, 2D]`` (a layer's vLLM CPU cache) -> ``(keys, values)``, each ``[NB*H, 1, bs, D]`` views of
-    the same memory: page ``p = block * H + head``. ValueError for another shape or a non-contiguous cache."""
-    if kv_cache.dim() != 4 or kv_cache.shape[-1] % 2:
-        raise ValueError(f"vtoken: kv_cache shape {tuple(kv_cache.shape)}; expected [blocks, kv_heads, block_size, "
-                         "2 * head_size] (vLLM's CPU layout)")
-    if not kv_cache.is_contiguous():
-        raise ValueError("vtoken: kv_cache is not contiguous; one-head pages need vLLM's [NB, H, bs, 2D] layout "
-                         "as allocated")
-    nb, h, bs, d2 = kv_cache.shape
-    pages = kv_cache.view(nb * h, 1, 2 * bs, d2 // 2)
-    keys, values = pages.chunk(2, dim=2)
-    return keys, values
+    the same memory: page ``p = block * H + head`` (:func:`all_layer_pages` of the one layer). ValueError for
+    another shape or a non-contiguous cache."""
+    return all_layer_pages([kv_cache])
 
 
 def all_layer_pages(kv_caches: Sequence[torch.Tensor]) -> Pages:
     """The layers' caches (each ``[NB, H, bs, 2D]``) -> one page space over all of them, ``[L*NB*H, 1, bs, D]``
     keys and values: page ``p = (layer * NB + block) * H + head``. ValueError unless the layers are consecutive,
-    equally shaped views of one buffer, in layer order (how vLLM's CPU worker allocates them)."""
+    equally shaped, contiguous views of one buffer, in layer order (how vLLM's CPU worker allocates them)."""
     if not kv_caches:
         raise ValueError("vtoken: no layers")
     first = kv_caches[0]
+    if first.dim() != 4 or first.shape[-1] % 2:
+        raise ValueError(f"vtoken: kv_cache shape {tuple(first.shape)}; expected [blocks, kv_heads, block_size, "
+                         "2 * head_size] (vLLM's CPU layout)")
     step = first.numel() * first.element_size()
     for i, c in enumerate(kv_caches):
         if c.shape != first.shape or c.dtype != first.dtype or not c.is_contiguous():
             raise ValueError(f"vtoken: layer {i}'s cache {tuple(c.shape)} {c.dtype}; expected {tuple(first.shape)} "
-                             f"{first.dtype}, contiguous")
+                             f"{first.dtype}, contiguous (vLLM's [NB, H, bs, 2D] layout as allocated)")
         if c.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or \
                 c.data_ptr() != first.data_ptr() + i * step:
             raise ValueError(f"vtoken: layer {i}'s cache is not the {i}-th consecutive view of one buffer; one page "
@@ -170,6 +165,8 @@ def move_tokens(kv_caches: Sequence[torch.Tensor], src: np.ndarray, dst: np.ndar
         raise ValueError(f"vtoken: {len(src)} sources for {len(dst)} destinations")
     if not len(src):
         return
+    from .cpu_layout import element_index
+
     all_layer_pages(kv_caches)  # validates: one buffer, layer order
     first = kv_caches[0]
     nb, h, bs, d2 = first.shape
@@ -177,10 +174,10 @@ def move_tokens(kv_caches: Sequence[torch.Tensor], src: np.ndarray, dst: np.ndar
     flat = torch.as_strided(first, (len(kv_caches) * nb * h * region,), (1,))
     kv = np.concatenate([kmap, vmap], axis=1)  # [bs, 2D]: a token's K then V elements
 
-    def elements(slots: np.ndarray) -> torch.Tensor:
+    def elements(slots: np.ndarray) -> torch.Tensor:  # the copy engine's address rule, a page for a region
         s = np.asarray(slots, dtype=np.int64)
         page = vllm_pages(s // bs, len(kv_caches), h, nb)
-        return torch.from_numpy((page * region)[:, None] + kv[s % bs]).reshape(-1)
+        return torch.from_numpy(element_index(page, s % bs, 0, kv, 1, region)).reshape(-1)
 
     s_el, d_el = elements(src), elements(dst)
     flat[d_el] = flat[s_el].clone()
