@@ -15,6 +15,7 @@ import torch  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from vtoken_runtime.paged_attention import dense_attention  # noqa: E402
 from vtoken_runtime.vllm_plugin.row_attention import (  # noqa: E402
     all_layer_pages,
     build_row_batch,
@@ -32,13 +33,10 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 
 
 def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [n_q, G, D] against a row's k, v [n, D]; query i sees keys <= n - n_q + i."""
+    """q [n_q, G, D] against a row's k, v [n, D] (the runtime's ground truth, ``dense_attention``): the row's
+    new tokens are its last ``n_q`` positions, so query i sees keys <= n - n_q + i."""
     n, nq = k.shape[0], q.shape[0]
-    s = torch.einsum("qgd,nd->qgn", q.float(), k.float()) * scale
-    qi = torch.arange(nq)[:, None, None]
-    kj = torch.arange(n)[None, None, :]
-    s = s.masked_fill(kj > n - nq + qi, float("-inf"))
-    return torch.einsum("qgn,nd->qgd", s.softmax(-1), v.float())
+    return dense_attention(q.float(), k[None], v[None], torch.arange(n - nq, n), torch.arange(n)[None], scale)
 
 
 def _case(seed: int, r_n: int, h_n: int, g: int, dtype: torch.dtype, lens: np.ndarray, q: np.ndarray,
