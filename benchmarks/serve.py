@@ -56,7 +56,7 @@ from typing import Any
 
 import numpy as np
 
-from .serve_config import ServeConfig, Trace, resolve_dtype, set_env
+from .serve_config import ServeConfig, Trace, resolve_dtype, row_keys, row_when, set_env
 from .serve_engine import kv_bytes
 from .serve_goodput import rounded_slos, run_goodput_only
 from .serve_overhead import run_stats_cost_only
@@ -116,9 +116,7 @@ def run_serve_benchmark(cfg: ServeConfig, log: Callable[[str], None] = print) ->
     pair = ("vtoken", "h2o", 0.5)
     has_pair = "vtoken" in cfg.modes and "h2o" in cfg.policies and any(math.isclose(r, 0.5) for r in cfg.ratios)
     whole = has_pair and len(lockstep_trace(cfg, trace)) == n  # the closed loop gives vanilla's and H2O 0.5's rows
-    todo = [k for k in [("vanilla", "none", 0.0)] + [(m, p, r) for p in cfg.policies for r in cfg.ratios
-                                                      for m in cfg.modes]
-            if not (whole and k in (("vanilla", "none", 0.0), pair))]
+    todo = [k for k in [("vanilla", "none", 0.0), *row_keys(cfg)] if not (whole and k in (("vanilla", "none", 0.0), pair))]
     jobs: list[tuple[str, tuple[str, str, float] | None]] = [
         *((("closed_loop", None),) if has_pair else ()), ("interleaved", None), ("goodput", None),
         *(("row", k) for k in todo)]
@@ -136,9 +134,9 @@ def run_serve_benchmark(cfg: ServeConfig, log: Callable[[str], None] = print) ->
     gp_rows, slo_cfg = got[("goodput", None)]
     goodput_done = {(r["mode"], r["policy"], r["eviction_ratio"]): r for r in gp_rows}
     overhead, stats_cost = got[("interleaved", None)]["overhead"], got[("interleaved", None)]["stats_cost"]
-    rows = [rows_by[("vanilla", "none", 0.0)]] + [rows_by[(m, p, r)] for p in cfg.policies for r in cfg.ratios
-                                                  for m in cfg.modes]
+    rows = [rows_by[("vanilla", "none", 0.0)]] + [rows_by[k] for k in row_keys(cfg)]
     for row in rows:
+        row["when"] = row_when(cfg, row["policy"]) if row["mode"] != "vanilla" else None
         row["closed_loop_measure"] = ("lockstep median" if "closed_loop_tok_s_spread" in row
                                       else f"single run{', worker process' if cfg.workers > 1 else ''}")
         key = (row["mode"], row["policy"], row["eviction_ratio"])

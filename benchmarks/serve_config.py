@@ -85,6 +85,9 @@ class ServeConfig:
     # "goodput": only (b): vanilla's SLOs and goodput, then the goodput rows' (``goodput_rows``), e.g. to see
     # how the comparison moves with the SLO multiples or the prefill chunk
     only: str = "all"
+    # (c)'s statistics cost: more policies run alone at 0.5 beside H2O and policy none, each reported against
+    # policy none (``stats_cost.extra``), e.g. an unequal-budget policy (issue 39)
+    stats_extra: tuple[str, ...] = ()
 
     def goodput_keys(self) -> set[tuple[str, str, float]] | None:
         """``goodput_rows`` as ``{(mode, policy, ratio)}`` (None: every row)."""
@@ -167,6 +170,26 @@ def resolve_dtype(dtype: str) -> str:
     return "bfloat16" if torch.cpu._is_amx_tile_supported() else "float32"
 
 
+def unequal(pol: str) -> bool:
+    """A shipped policy whose (layer, KV head) rows keep unequal counts (``allocation=``: per-row pages)."""
+    import vtoken_policies
+
+    return not vtoken_policies.load(pol).spec.uniform
+
+
+def row_when(cfg: ServeConfig, pol: str) -> str:
+    """When a row's policy evicts: the config's ``when``, except ``"prefill"`` for an unequal policy (per-row
+    pages take a request once, after its prompt: ``vtoken_runtime.eviction.refuse_unequal``)."""
+    return "prefill" if unequal(pol) else cfg.when
+
+
+def row_keys(cfg: ServeConfig) -> list[tuple[str, str, float]]:
+    """The evicting rows ``(mode, policy, ratio)``: every mode, policy and ratio, except Naive-Evict rows of an
+    unequal policy (Naive-Evict holds every block with a live token; it has no per-row pages)."""
+    return [(m, p, r) for p in cfg.policies for r in cfg.ratios for m in cfg.modes
+            if not (m == "naive" and unequal(p))]
+
+
 def plugin_args(cfg: ServeConfig, pol: str, r: float, mode: str = "vtoken") -> dict[str, Any]:
-    """The plugin settings of an evicting row: policy, mode, ratio, and the config's ``when`` / ``slack``."""
-    return {"policy": pol, "mode": MODES[mode], "eviction_ratio": r, "when": cfg.when, "slack": cfg.slack}
+    """The plugin settings of an evicting row: policy, mode, ratio, :func:`row_when` and the config's ``slack``."""
+    return {"policy": pol, "mode": MODES[mode], "eviction_ratio": r, "when": row_when(cfg, pol), "slack": cfg.slack}

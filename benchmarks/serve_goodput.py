@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from .serve_config import ServeConfig, Trace, plugin_args
+from .serve_config import ServeConfig, Trace, plugin_args, row_keys
 from .serve_engine import build_engine, free_engine, run_trace, warm_engine
 from .serve_slo import allowed_misses, attainment, miss_counts, poisson_arrivals, search_goodput_paired
 from .serve_steps import Step, compare_tpot_parts, tpot_parts
@@ -165,7 +165,7 @@ def run_goodput_only(cfg: ServeConfig, model_dir: str, trace: Trace, gp_trace: T
     start = 1.0 / ref_ttft  # the prefill-bound capacity
     slo_cfg = {"ttft_slo_s": slo[0], "tpot_slo_s": slo[1], "unloaded_ttft_s": ref_ttft, "unloaded_tpot_s": ref_tpot}
     keys = cfg.goodput_keys()  # None ("all"): every configured row
-    todo = ([(m, p, r) for p in cfg.policies for r in cfg.ratios for m in cfg.modes] if keys is None else sorted(keys))
+    todo = row_keys(cfg) if keys is None else sorted(keys)
     rows: list[dict[str, Any]] = []
     van_search: dict[str, Any] | None = None
     for mode, pol, r in todo:

@@ -39,6 +39,9 @@ def stats_cost_specs(cfg: ServeConfig) -> tuple[dict[str, dict[str, Any]], tuple
     specs = {"none": {"policy": "none", "eviction_ratio": 0.5, "when": cfg.when}, "h2o": plugin_args(cfg, "h2o", 0.5)}
     if slack_variant(cfg) is not None:
         specs["h2o_slack"] = {**plugin_args(cfg, "h2o", 0.5), "slack": slack_variant(cfg)}
+    for pol in cfg.stats_extra:  # more policies at 0.5, each against policy none (stats_cost.extra)
+        if pol not in specs:
+            specs[pol] = plugin_args(cfg, pol, 0.5)
     return specs, tuple(specs)
 
 
@@ -81,6 +84,16 @@ def finish_stats_cost(stats_cost: dict[str, Any], cfg: ServeConfig, wall: dict[s
                       rounds=cfg.rounds, requests=requests)
     if h2o_parts["evictions"]:  # medians over the rounds of H2O's alone runs
         stats_cost["h2o_parts"] = {k: round(statistics.median(v), 3) for k, v in h2o_parts.items()}
+    extra = [k for k in alone if k in cfg.stats_extra and k not in ("none", "h2o", "h2o_slack")]
+    if extra:  # each against policy none's alone runs of the same rounds
+        stats_cost["extra"] = {}
+        for k in extra:
+            pr, pc = paired_ratio(wall[k], wall["none_alone"]), paired_ratio(cpu[k], cpu["none_alone"])
+            stats_cost["extra"][k] = {
+                "eviction_ratio": 0.5, "when": plugin_args(cfg, k, 0.5)["when"], "seconds": round(statistics.median(wall[k]), 3),
+                "seconds_spread": rounded(spread(wall[k]), 3), "ratio": round(pr["ratio"], 3),
+                "ratio_spread": {"min": round(pr["min"], 3), "max": round(pr["max"], 3)},
+                "ratio_cpu": round(pc["ratio"], 3), "ratio_cpu_spread": {"min": round(pc["min"], 3), "max": round(pc["max"], 3)}}
     if "h2o_slack" in alone:
         pr, pc = paired_ratio(wall["h2o_slack"], wall["none_alone"]), paired_ratio(cpu["h2o_slack"], cpu["none_alone"])
         stats_cost.update(slack_variant=slack_variant(cfg), h2o_slack_s=round(statistics.median(wall["h2o_slack"]), 3),

@@ -81,6 +81,10 @@ def print_stats_cost(s: dict[str, Any], c: dict[str, Any]) -> None:
         out.print(f"  H2O's extra time, per run (medians): statistics {hp['statistics_s']} s; {hp['evictions']:.0f} "
                   f"evictions: policy {hp['policy_s']} s ({1e3 * hp['policy_s'] / ev:.1f} ms each), compaction "
                   f"{hp['reclaim_s']} s ({1e3 * hp['reclaim_s'] / ev:.1f} ms each)")
+    for name, x in (s.get("extra") or {}).items():
+        sp = x["ratio_spread"]
+        out.print(f"  {name} {x['eviction_ratio']} (when={x['when']}) vs policy none: {x['seconds']} s, "
+                  f"{x['ratio']}x [{sp['min']}, {sp['max']}] wall, {x['ratio_cpu']}x CPU time")
 
 
 def _slo_line(c: dict[str, Any]) -> str:
@@ -181,11 +185,11 @@ def print_report(result: dict[str, Any]) -> None:
                         f"(mean {c['output_tokens_mean']:.0f}), eviction when={c['when']}, chunks of {c['chunk_tokens']} "
                         f"(steps of {c.get('step_tokens') or c['chunk_tokens']} tokens)"
                         f"{', slack ' + str(c['slack']) if c.get('slack') else ''}")
-    for col in ("mode", "policy", "evict", "running peak", "vs vanilla", "peak blk/req", "guaranteed",
+    for col in ("mode", "policy", "evict", "when", "running peak", "vs vanilla", "peak blk/req", "guaranteed",
                 "vs vanilla ", "preempt", "closed-loop tok/s", "goodput rps", "vs vanilla  "):
         table.add_column(col, justify="right")
     for r in result["rows"]:
-        table.add_row(r["mode"], r["policy"], f"{r['eviction_ratio']:.1f}", str(r["max_concurrency"]),
+        table.add_row(r["mode"], r["policy"], f"{r['eviction_ratio']:.1f}", r.get("when") or "-", str(r["max_concurrency"]),
                       f"{_fmt(r.get('concurrency_gain'), '.2f')}x", f"{r['mean_peak_blocks']:.1f}",
                       str(r["guaranteed_concurrency"]), f"{_fmt(r.get('guaranteed_gain'), '.2f')}x",
                       str(r["preemptions"]), f"{r['closed_loop_tok_s']:.1f}", _fmt(r.get("goodput_rps"), ".3g"),
@@ -296,6 +300,9 @@ def bench_serve(
                                            "alone, interleaved --rounds: minutes, not the whole run; no plot) or "
                                            "goodput (only vanilla's and the --goodput-rows' goodput; no plot)")]
     = "all",
+    stats_extra: Annotated[str | None, typer.Option(help="comma-separated policies whose statistics cost at 0.5 is "
+                                                         "measured beside H2O's (each against policy none, the same "
+                                                         "rounds), e.g. ada_snapkv")] = None,
     model: Annotated[str | None, typer.Option(help="model directory (default: SmolLM2-135M-Instruct)")] = None,
     plot: Annotated[Path, typer.Option(help="PNG plot path")] = Path("results/bench_serve.png"),
     as_json: Annotated[Path | None, typer.Option("--json", help="write the JSON report here")] = None,
@@ -313,6 +320,8 @@ def bench_serve(
             cfg.ratios = tuple(float(x) for x in ratios.split(","))
         if modes:
             cfg.modes = tuple(m.strip() for m in modes.split(",") if m.strip())
+        if stats_extra:
+            cfg.stats_extra = tuple(p.strip() for p in stats_extra.split(",") if p.strip())
         if prompt_tokens:
             cfg.prompt_tokens = _range(prompt_tokens, "prompt-tokens")
         if output_tokens:

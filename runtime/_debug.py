@@ -26,6 +26,7 @@ INVARIANTS = {
     "I4": "a committed plan strictly reduces held blocks or fills holes, and never overlaps an in-flight plan",
     "POOL": "pool conservation: free + held == total, no leaked or double-freed block",
     "PINS": "pinned tokens are never evicted",
+    "ROWS": "vLLM's block list of a request in per-row pages is exactly the blocks its page table holds",
 }
 
 

@@ -86,7 +86,13 @@ class Collective(Protocol):
     per policy group and step then keep their decisions identical: request-granularity statistics are
     gathered along the head axis BEFORE any policy code runs (every rank scores the same full batch),
     and failures are agreed AFTER selection (a request that failed on any rank fails on all), so a
-    policy error on one rank can neither deadlock nor desynchronise the others."""
+    policy error on one rank can neither deadlock nor desynchronise the others. A policy with unequal budgets
+    (``allocation=``) is gathered the same way, positions and pins included: a layer's counts need every
+    head's scores, so every rank selects the whole layer, exactly as one rank would, and keeps its own heads'
+    rows (:meth:`EvictionDriver._select`)."""
+
+    rank: int  # this rank's place in the group (its heads are ``rank * H_local ..``)
+    world_size: int
 
     def gather_heads(self, t: torch.Tensor) -> torch.Tensor:
         """``[B, L, H_local, *axes] -> [B, L, H_total, *axes]`` (along dim 2) in rank order, identical on every
@@ -95,6 +101,10 @@ class Collective(Protocol):
 
     def any(self, flags: list[bool]) -> list[bool]:
         """Element-wise OR of ``flags`` over the ranks."""
+        ...
+
+    def max(self, values: list[int]) -> list[int]:
+        """Element-wise maximum of ``values`` over the ranks."""
         ...
 
 
@@ -111,9 +121,9 @@ COUNTERS = ("evictions", "tokens_evicted", "tokens_moved", "blocks_freed", "poli
 def refuse_unequal(policy: Policy | None, budget: Budget | None = None, rows: bool = False) -> None:
     """ValueError for a policy whose rows keep unequal numbers of tokens where the runtime cannot hold them.
 
-    ``rows=False`` (the vLLM plugin, the experiment runner): the token table keeps one length per request
-    (docs/decisions.md, decision 4), so any unequal allocation is refused. ``rows=True`` (the HF adapter,
-    which has per-row pages, decision 8): refused unless the budget evicts once, after prefill
+    ``rows=False`` (the experiment runner, a driver without a handoff): the token table keeps one length per
+    request (docs/decisions.md, decision 4), so any unequal allocation is refused. ``rows=True`` (the HF
+    adapter and the vLLM CPU worker, which have per-row pages, decision 8): refused unless the budget evicts once, after prefill
     (``when="prefill"``), because a request in per-row pages is not evicted again (its statistics would need
     one length per row)."""
     if policy is None or policy.spec.uniform:
@@ -323,6 +333,11 @@ class EvictionDriver:
                     out.append(f"policy {policy.name!r} gave per-head masks to a request-granularity cache")
                     continue
                 m = m[:1]
+            elif m.shape[0] != R and not policy.spec.uniform:  # every head gathered: this rank's heads
+                col = self.collective
+                assert col is not None
+                h = self.cache.num_kv_heads  # [Lc * H_total, n] -> this rank's [Lc * H_local, n]
+                m = m.reshape(R // h, col.world_size * h, n)[:, col.rank * h:(col.rank + 1) * h].reshape(R, n)
             elif m.shape[0] != R:  # request-granularity rows gathered over ranks: all rows agree
                 m = np.broadcast_to(m[:1], (R, n))
             out.append(m)
@@ -370,9 +385,14 @@ class EvictionDriver:
             assert self.queries is not None
             vectors.update(self.queries.summaries(rs, q_names, seq, policy.spec.stats.obs_window,
                                                   policy.spec.stats.future_window, (l0, l1)))
-        if self.collective is not None and policy.granularity == "request":  # every head, every rank
-            stats = {k: self.collective.gather_heads(v) for k, v in stats.items()}
-            vectors = {k: self.collective.gather_heads(v) for k, v in vectors.items()}
+        col = self.collective
+        if col is not None and (policy.granularity == "request" or not policy.spec.uniform):  # every head, every rank
+            stats = {k: col.gather_heads(v) for k, v in stats.items()}
+            vectors = {k: col.gather_heads(v) for k, v in vectors.items()}
+            if R > 1:  # unequal budgets select every head of a layer: its positions and pins too (as float32:
+                # vLLM's CPU all-gather takes floating point only; positions < 2**24 are exact)
+                pos = col.gather_heads(torch.from_numpy(pos.astype(np.float32))).numpy().astype(np.int64)
+                pinned = col.gather_heads(torch.from_numpy(pinned.astype(np.float32))).numpy() > 0
         budget = [self.requests[r].budget.resolve(s) for r, s in zip(rs, seq, strict=True)]  # type: ignore[union-attr]
         dev = cache.device
         batch = StatsBatch(stats={k: v.to(dev) for k, v in stats.items()}, lengths=_up(ns, dev), positions=_up(pos, dev),

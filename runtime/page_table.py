@@ -27,8 +27,11 @@ Invariants (checked by :meth:`PageTable.check_request`; ``VTOKEN_DEBUG=1`` after
   exactly one row or in the request's free list; blocks are owned by one request.
 * R3 (I3) there is no persistent device mirror yet: every step's page tables are built from this table
   (:meth:`PageTable.batch_tables`), so nothing can go stale (issue 39 needs graph-stable buffers).
-* R4 (I4) the request holds ``ceil(sum_r ceil(n_r / bs) / P)`` blocks after *every* mutation: reserve
-  fills free pages before it takes a block, evict repacks pages out of the emptiest blocks.
+* R4 (I4) the request holds ``max(ceil(sum_r ceil(n_r / bs) / P), hold)`` blocks after *every* mutation:
+  reserve fills free pages before it takes a block, evict repacks pages out of the emptiest blocks (and
+  resets ``hold``). ``hold`` is 0 unless the owner asks to keep spare blocks (``adopt(hold=)``,
+  ``reserve(spare=True)``: tensor-parallel ranks hold the same blocks, vLLM's list, for rows of different
+  lengths).
 * PINS every present pinned position is live in every row.
 
 Bookkeeping only (numpy); moves are returned as page-slot pairs the cache applies (gather first, so
@@ -80,6 +83,7 @@ class RowRequest:
     logical_len: int = 0
     tokens_moved: int = 0
     pages_moved: int = 0
+    hold: int = 0  # blocks the owner asked it to keep even with free pages (tensor-parallel ranks agree on one count)
 
     def __post_init__(self) -> None:
         self.pages = [[] for _ in range(self.num_rows)]
@@ -178,11 +182,12 @@ class PageTable:
 
     # ---------------------------------------------------------------- mutations (the only writers)
     def adopt(self, req_id: ReqId, positions: Sequence[np.ndarray], blocks: list[int], logical_len: int,
-              src: Sequence[np.ndarray] | None = None) -> tuple[list[np.ndarray], list[int]]:
+              src: Sequence[np.ndarray] | None = None, hold: int = 0) -> tuple[list[np.ndarray], list[int]]:
         """Lay out an empty request's rows: row ``r`` holds ``positions[r]`` (ascending, unique), in pages of
-        the first ``ceil(pages / P)`` of ``blocks`` (the request now owns those). Returns ``(page slots per
-        row, the blocks not needed)``; ValueError (nothing changes) for bad positions, missing pins or too
-        few blocks. ``src`` (the page slots the tokens come from) counts the moves in ``tokens_moved``."""
+        the first ``max(ceil(pages / P), hold)`` of ``blocks`` (the request now owns those; ``hold``: blocks to
+        keep even if free, e.g. the count tensor-parallel ranks agreed on). Returns ``(page slots per row, the
+        blocks not needed)``; ValueError (nothing changes) for bad positions, missing pins or too few blocks.
+        ``src`` (the page slots the tokens come from) counts the moves in ``tokens_moved``."""
         st = self.get(req_id)
         if st.blocks or st.logical_len:
             raise ValueError(f"row request {req_id!r} must be empty to adopt a layout")
@@ -194,10 +199,12 @@ class PageTable:
                 raise ValueError(f"row {r}: positions must be ascending, unique and in [0, {logical_len})")
         self._check_pins(st, pos, logical_len)
         need = sum(cdiv(p.size, self.block_size) for p in pos)
-        k = cdiv(need, self.pages_per_block)
+        k = max(cdiv(need, self.pages_per_block), int(hold))
         if k > len(blocks) or len(set(blocks)) != len(blocks):
-            raise ValueError(f"row request {req_id!r}: {need} pages need {k} distinct blocks, got {len(blocks)}")
+            raise ValueError(f"row request {req_id!r}: {need} pages (hold {hold}) need {k} distinct blocks, got "
+                             f"{len(blocks)}")
         st.blocks = [int(b) for b in blocks[:k]]
+        st.hold = int(hold)
         st.free = self._pages_of(st.blocks)
         st.logical_len = int(logical_len)
         out = []
@@ -221,13 +228,17 @@ class PageTable:
         """Blocks :meth:`reserve` must be given: free pages of the request's blocks are used first."""
         return cdiv(max(0, self.pages_needed(req_id, n) - len(self.get(req_id).free)), self.pages_per_block)
 
-    def reserve(self, req_id: ReqId, n: int, new_blocks: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    def reserve(self, req_id: ReqId, n: int, new_blocks: list[int], spare: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """Append ``n`` tokens (true positions ``logical_len ..``) to every row, taking ``new_blocks``
-        (exactly :meth:`blocks_needed`). Returns ``(page slots [R, n], positions [n])``."""
+        (exactly :meth:`blocks_needed`; with ``spare``, at least that many, the rest held as free pages:
+        ``hold``). Returns ``(page slots [R, n], positions [n])``."""
         st = self.get(req_id)
-        if len(new_blocks) != self.blocks_needed(req_id, n):
-            raise ValueError(f"row request {req_id!r}: reserving {n} tokens needs {self.blocks_needed(req_id, n)} "
-                             f"new blocks, got {len(new_blocks)}")
+        need = self.blocks_needed(req_id, n)
+        if len(new_blocks) < need or (len(new_blocks) > need and not spare):
+            raise ValueError(f"row request {req_id!r}: reserving {n} tokens needs {need} new blocks, got "
+                             f"{len(new_blocks)}")
+        if len(new_blocks) > need:
+            st.hold = len(st.blocks) + len(new_blocks)
         for b in new_blocks:
             st.blocks.append(int(b))
             for p in self._pages_of([int(b)]):
@@ -259,6 +270,7 @@ class PageTable:
                                  f"{k.dtype} {list(k.shape)}")
         kept_pos = [p[k] for p, k in zip(st.pos, km, strict=True)]
         self._check_pins(st, kept_pos, st.logical_len)
+        st.hold = 0  # an eviction frees down to what the rows need
         bs = self.block_size
         src = [self.slots(st, r, np.flatnonzero(k)) for r, k in enumerate(km)]  # old page slots of kept tokens
         evicted = int(sum(k.size - int(k.sum()) for k in km))
@@ -294,6 +306,7 @@ class PageTable:
             raise ValueError(f"fork of {src!r} needs {len(s.blocks)} distinct blocks, got {len(new_blocks)}")
         P = self.pages_per_block
         to = {b: int(n) for b, n in zip(s.blocks, new_blocks, strict=True)}
+        d.hold = s.hold  # the copy holds what the source holds
 
         def page(pg: int) -> int:
             return to[pg // P] * P + pg % P
@@ -398,8 +411,9 @@ class PageTable:
         check(len(all_pages) == len(set(all_pages)) == len(st.blocks) * P, "I2",
               f"row request {st.req_id!r}: pages of its blocks are not each in one row or the free list")
         check(all(pg // P in owned for pg in all_pages), "I2", f"row request {st.req_id!r}: page outside its blocks")
-        check(len(st.blocks) == cdiv(st.pages_used, P), "I4",
-              f"row request {st.req_id!r}: holds {len(st.blocks)} blocks for {st.pages_used} pages (P = {P})")
+        check(len(st.blocks) == max(cdiv(st.pages_used, P), st.hold), "I4",
+              f"row request {st.req_id!r}: holds {len(st.blocks)} blocks for {st.pages_used} pages (P = {P}, hold "
+              f"{st.hold})")
         self._check_pins_invariant(st)
 
     def _check_pins_invariant(self, st: RowRequest) -> None:

@@ -18,6 +18,7 @@ Bookkeeping is the :class:`~vtoken_runtime.page_table.PageTable`'s; this module 
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Hashable, Sequence
 
 import numpy as np
@@ -29,34 +30,38 @@ from .page_table import PageTable, RowPlan
 ReqId = Hashable
 
 
-class RowCache:
-    """Row requests over ``kv_all [L, 2, NB, bs, H_kv, D]`` and the shared block ``pool``."""
+class RowStore(ABC):
+    """Row requests' bookkeeping over a shared block ``pool``: the :class:`PageTable` (the only writer of the
+    rows) plus the pool's frees and allocations. Where the K/V live is a subclass's: :meth:`_move` copies page
+    slots (the HF session's :class:`RowCache` over ``kv_all``; vLLM's buffer in
+    ``vllm_plugin.rows.VllmRowCache``)."""
 
-    def __init__(self, kv_all: torch.Tensor, pool: BlockPool, max_requests: int, debug: bool | None = None,
-                 release: str = "emptiest") -> None:
-        if kv_all.dim() != 6 or kv_all.shape[1] != 2:
-            raise ValueError(f"kv_all must be [L, 2, NB, bs, H_kv, D], got {list(kv_all.shape)}")
-        L, _, nb, bs, H, D = kv_all.shape
-        if nb != pool.num_blocks:
-            raise ValueError(f"kv_all has {nb} blocks, the pool {pool.num_blocks}")
-        self.kv_all, self.pool = kv_all, pool
-        self.num_layers, self.num_kv_heads, self.block_size, self.head_size = L, H, bs, D
-        self.table = PageTable(L, H, bs, max_requests, debug=debug, release=release)
+    def __init__(self, pool: BlockPool, num_layers: int, num_kv_heads: int, block_size: int, head_size: int,
+                 max_requests: int, debug: bool | None = None, release: str = "emptiest") -> None:
+        self.pool = pool
+        self.num_layers, self.num_kv_heads, self.block_size, self.head_size = (num_layers, num_kv_heads, block_size,
+                                                                                head_size)
+        self.table = PageTable(num_layers, num_kv_heads, block_size, max_requests, debug=debug, release=release)
+
+    @abstractmethod
+    def _move(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Copy the K/V of page slots ``src`` to ``dst`` (all sources read before any write)."""
 
     # ---------------------------------------------------------------- requests
     def __contains__(self, req_id: object) -> bool:
         return req_id in self.table.requests
 
     def adopt(self, req_id: ReqId, pinned: np.ndarray, positions: Sequence[np.ndarray], src_slots: Sequence[np.ndarray],
-              blocks: list[int], logical_len: int) -> int:
+              blocks: list[int], logical_len: int, hold: int = 0) -> int:
         """Take over a request whose row ``r`` keeps ``positions[r]`` (ascending), now stored at page slots
         ``src_slots[r]`` of ``blocks`` (the request's own, handed over by the uniform cache). Lays the rows out,
         moves the K/V (gather first: sources and destinations share blocks) and frees the blocks not needed.
-        Returns the blocks freed. ValueError (nothing changes, the blocks stay the caller's) on bad input."""
+        Returns the blocks freed. ValueError (nothing changes, the blocks stay the caller's) on bad input.
+        ``hold``: blocks to keep at least (``PageTable.adopt``)."""
         if self.table.add(req_id, pinned) is None:
             raise ValueError(f"row cache full ({self.table.max_requests} requests); cannot adopt {req_id!r}")
         try:
-            dst, surplus = self.table.adopt(req_id, positions, blocks, logical_len, src_slots)
+            dst, surplus = self.table.adopt(req_id, positions, blocks, logical_len, src_slots, hold=hold)
         except ValueError:
             self.table.remove(req_id)
             raise
@@ -100,6 +105,49 @@ class RowCache:
         self._move(plan.src, plan.dst)
         self.pool.free(plan.freed)
         return plan
+
+    # ---------------------------------------------------------------- reporting
+    def held_blocks(self, req_id: ReqId) -> int:
+        return self.table.held_blocks(req_id)
+
+    def blocks(self, req_id: ReqId) -> dict[str, int]:
+        """Held blocks and what other designs would hold for the same rows: ``vtoken`` (held), ``ideal``
+        (per layer ``ceil(sum_h ceil(n / bs) / H)``, the largest layer: issue 38's bound), ``ideal_pages`` (one
+        page space for every layer: what the page table holds by R4), ``max_row`` (one shared block list),
+        ``naive`` (a block returns only when no row keeps a token of it), ``full`` (no eviction), ``moved``
+        (token moves so far, the handoff's included) and ``rows_live_min`` / ``rows_live_max``."""
+        st = self.table.get(req_id)
+        ideal = self.table.ideal_blocks(req_id)
+        bs, n = self.block_size, st.lengths
+        live_pos = np.concatenate(st.pos) if st.pos else np.zeros(0, np.int64)
+        return {"full": -(-st.logical_len // bs), "naive": int(np.unique(live_pos // bs).size),
+                "vtoken": len(st.blocks), "ideal": ideal["per_layer"], "ideal_pages": ideal["pages"],
+                "max_row": ideal["max_row"], "moved": st.tokens_moved, "rows_live_min": int(n.min()),
+                "rows_live_max": int(n.max())}
+
+    def held_block_ids(self) -> list[int]:
+        """Every block the row requests hold (one entry per reference: the pool check's ``held``)."""
+        return [b for st in self.table.requests.values() for b in st.blocks]
+
+    def logical_len(self, req_id: ReqId) -> int:
+        return self.table.get(req_id).logical_len
+
+    def check_invariants(self) -> None:
+        self.table.check_all()
+
+
+class RowCache(RowStore):
+    """Row requests over ``kv_all [L, 2, NB, bs, H_kv, D]`` and the shared block ``pool`` (the HF session)."""
+
+    def __init__(self, kv_all: torch.Tensor, pool: BlockPool, max_requests: int, debug: bool | None = None,
+                 release: str = "emptiest") -> None:
+        if kv_all.dim() != 6 or kv_all.shape[1] != 2:
+            raise ValueError(f"kv_all must be [L, 2, NB, bs, H_kv, D], got {list(kv_all.shape)}")
+        L, _, nb, bs, H, D = kv_all.shape
+        if nb != pool.num_blocks:
+            raise ValueError(f"kv_all has {nb} blocks, the pool {pool.num_blocks}")
+        super().__init__(pool, L, H, bs, D, max_requests, debug=debug, release=release)
+        self.kv_all = kv_all
 
     # ---------------------------------------------------------------- tensors
     def _index(self, g: np.ndarray | torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -162,32 +210,3 @@ class RowCache:
         probs = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)
         out = torch.matmul(probs.view(B, H, G * Q, Lmax), v).view(B, H, G, Q, D)
         return out.permute(0, 3, 1, 2, 4).reshape(B, Q, Hq, D).to(query.dtype)
-
-    # ---------------------------------------------------------------- reporting
-    def held_blocks(self, req_id: ReqId) -> int:
-        return self.table.held_blocks(req_id)
-
-    def blocks(self, req_id: ReqId) -> dict[str, int]:
-        """Held blocks and what other designs would hold for the same rows: ``vtoken`` (held), ``ideal``
-        (per layer ``ceil(sum_h ceil(n / bs) / H)``, the largest layer: issue 38's bound), ``ideal_pages`` (one
-        page space for every layer: what the page table holds by R4), ``max_row`` (one shared block list),
-        ``naive`` (a block returns only when no row keeps a token of it), ``full`` (no eviction), ``moved``
-        (token moves so far, the handoff's included) and ``rows_live_min`` / ``rows_live_max``."""
-        st = self.table.get(req_id)
-        ideal = self.table.ideal_blocks(req_id)
-        bs, n = self.block_size, st.lengths
-        live_pos = np.concatenate(st.pos) if st.pos else np.zeros(0, np.int64)
-        return {"full": -(-st.logical_len // bs), "naive": int(np.unique(live_pos // bs).size),
-                "vtoken": len(st.blocks), "ideal": ideal["per_layer"], "ideal_pages": ideal["pages"],
-                "max_row": ideal["max_row"], "moved": st.tokens_moved, "rows_live_min": int(n.min()),
-                "rows_live_max": int(n.max())}
-
-    def held_block_ids(self) -> list[int]:
-        """Every block the row requests hold (one entry per reference: the pool check's ``held``)."""
-        return [b for st in self.table.requests.values() for b in st.blocks]
-
-    def logical_len(self, req_id: ReqId) -> int:
-        return self.table.get(req_id).logical_len
-
-    def check_invariants(self) -> None:
-        self.table.check_all()

@@ -9,8 +9,8 @@ Enable it by configuration::
 The OpenAI server: ``vtoken-cli serve MODEL --policy h2o --eviction-ratio 0.5 [any vLLM server flag]``
 (``serve_flags(...)`` gives the plugin's flags for any other launcher). Per-request options, the same
 flat keys over HTTP (``vllm_xargs``) and in Python (``SamplingParams(extra_args=...)``):
-``vtoken_enabled``, ``vtoken_budget_tokens``, ``vtoken_eviction_ratio``, ``vtoken_pinned_spans``
-(validated at admission: a bad value is an HTTP 400 / a ValueError). See docs/vllm.md.
+``vtoken_enabled``, ``vtoken_budget_tokens``, ``vtoken_eviction_ratio``, ``vtoken_pinned_spans``,
+``vtoken_allocation`` (validated at admission: a bad value is an HTTP 400 / a ValueError). See docs/vllm.md.
 
 Importing this package does not import vLLM; ``register()`` is the ``vllm.general_plugins`` entry
 point (vLLM calls it in every process before building engines).

@@ -3,6 +3,9 @@
 The wrapper sits on ``Attention.impl`` of every decoder layer (vLLM's custom ops look the impl up at
 run time, so wrapping the instance changes no vLLM file and keeps the unmodified kernel):
 
+    (a step with requests in per-row pages, issue 39: both hooks run every request through the row path
+    instead of vLLM's write and kernel call, :class:`~.rows.RowStep`; the statistics are collected as below)
+
     do_kv_cache_update(layer, k, v, kv_cache, slot_mapping)   vLLM writes K/V (reshape_and_cache), then
                                                               key_norm / value_norm of the new slots
                                                               (``StatsCollector.write_norms``)
@@ -92,7 +95,11 @@ class VTokenAttentionImpl:
     # ------------------------------------------------------------------ hooks
     def do_kv_cache_update(self, layer: Any, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                            slot_mapping: torch.Tensor) -> None:
-        self._inner.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        rows = self._runner._vt_rowstep
+        if rows is not None:  # a step with row requests: every request's K/V through the row path
+            rows.write(self._layer, key, value)
+        else:
+            self._inner.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
         col = self._runner._vt_collector
         if col is not None and col.kv and self._runner._vt_step is not None:
             n = int(slot_mapping.shape[0])
@@ -101,7 +108,13 @@ class VTokenAttentionImpl:
 
     def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: Any, output: torch.Tensor, **kw: Any) -> torch.Tensor:
-        out = self._inner.forward(layer, query, key, value, kv_cache, attn_metadata, output=output, **kw)
+        rows = self._runner._vt_rowstep
+        if rows is not None and attn_metadata is not None:
+            n = int(attn_metadata.num_actual_tokens)
+            rows.attend(self._layer, query[:n], output, float(self._inner.scale))
+            out = output
+        else:
+            out = self._inner.forward(layer, query, key, value, kv_cache, attn_metadata, output=output, **kw)
         step = self._runner._vt_step
         col = self._runner._vt_collector
         if step is not None and attn_metadata is not None and col is not None and step.collect_attn:

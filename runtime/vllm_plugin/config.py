@@ -108,13 +108,6 @@ class PluginConfig:
         if not self.enabled:
             return None
         pol = _load_policy(str(self.policy), self.policy_name)
-        if not pol.spec.uniform:
-            from vtoken_runtime.eviction import refuse_unequal
-
-            try:
-                refuse_unequal(pol)
-            except ValueError as e:
-                raise ValueError(f"vtoken: {e}") from None
         slack = self.slack
         if slack is None and "slack" not in pol.budget.model_fields_set:
             slack = SERVING_SLACK  # the serving default, unless the policy's budget sets its own slack
@@ -122,6 +115,13 @@ class PluginConfig:
             ratio = None if self.budget_tokens is not None else self.eviction_ratio  # budget_tokens wins
             pol = pol.configure(budget=pol.budget.override(self.budget_tokens, ratio, self.when,  # type: ignore[arg-type]
                                                            slack))
+        if not pol.spec.uniform:  # per-row pages (the CPU worker, issue 39) take one eviction after the prompt
+            from vtoken_runtime.eviction import refuse_unequal
+
+            try:
+                refuse_unequal(pol, rows=True)
+            except ValueError as e:
+                raise ValueError(f"vtoken: {e}") from None
         return pol
 
 
@@ -172,6 +172,9 @@ class RequestOptions:
         vtoken_eviction_ratio  float    in [0, 1): budget ``ratio = 1 - eviction_ratio`` of the processed length
         vtoken_pinned_spans    [int]    flat list read as [start, end) pairs of true positions never evicted
                                         (a system prompt, a tool output); clipped to the request
+        vtoken_allocation      str      "policy" (default: the policy's own allocation) or "uniform": every
+                                        (layer, KV head) row keeps the same count (the policy's uniform twin,
+                                        in the token table; only changes a policy with unequal budgets)
 
     The nested ``{"vtoken": {"enabled", "budget_tokens", "eviction_ratio", "pinned_spans": [[s, e], ...]}}``
     stays as an alias (Python only: HTTP ``vllm_xargs`` values must be flat). Anything else that starts
@@ -182,14 +185,17 @@ class RequestOptions:
     pinned_spans: tuple[tuple[int, int], ...] = field(default_factory=tuple)
     budget_tokens: int | None = None
     eviction_ratio: float | None = None
+    allocation: str = "policy"
 
     def clipped_spans(self, length: int) -> list[tuple[int, int]]:
         """Spans clipped to a request of ``length`` positions (empty spans dropped)."""
         return [(a, min(b, length)) for a, b in self.pinned_spans if a < min(b, length)]
 
 
-FLAT_KEYS = ("vtoken_enabled", "vtoken_budget_tokens", "vtoken_eviction_ratio", "vtoken_pinned_spans")
-NESTED_KEYS = ("enabled", "budget_tokens", "eviction_ratio", "pinned_spans")
+FLAT_KEYS = ("vtoken_enabled", "vtoken_budget_tokens", "vtoken_eviction_ratio", "vtoken_pinned_spans",
+             "vtoken_allocation")
+NESTED_KEYS = ("enabled", "budget_tokens", "eviction_ratio", "pinned_spans", "allocation")
+ALLOCATIONS = ("policy", "uniform")
 MAX_SPANS = 4096
 
 
@@ -286,6 +292,10 @@ def parse_request_options(extra_args: Any) -> RequestOptions:
             opts["budget_tokens"] = _int(key, v, 1)
         elif name == "eviction_ratio":
             opts["eviction_ratio"] = _ratio(key, v)
+        elif name == "allocation":
+            if v not in ALLOCATIONS:
+                raise ValueError(f"vtoken: {key} must be one of {list(ALLOCATIONS)}, got {_short(v)}")
+            opts["allocation"] = v
         else:
             opts["pinned_spans"] = _spans(key, v, is_nested)
     if "budget_tokens" in opts and "eviction_ratio" in opts:

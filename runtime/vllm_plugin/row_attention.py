@@ -29,7 +29,8 @@ The HF side's :class:`~vtoken_runtime.page_table.PageTable` does the bookkeeping
 its (block-major) page ids for this buffer and :func:`move_tokens` applies its eviction plans here.
 
 Verified exact against a dense torch reference on vLLM's real kernel (``tests/vllm/test_row_attention.py``).
-Not yet wired into the engine (per-layer metadata in the worker, the scheduler's accounting): docs/vllm.md.
+The worker runs row requests through it (:mod:`.rows`: per-layer metadata, the scheduler's accounting;
+docs/vllm.md, "Unequal budgets inside vLLM").
 """
 
 from __future__ import annotations
@@ -189,18 +190,20 @@ def _isa(dtype: torch.dtype, block_size: int, head_size: int) -> str:
     return _get_attn_isa(dtype, block_size, head_size, "auto")
 
 
-def write_rows(key: torch.Tensor, value: torch.Tensor, pages: Pages, batch: RowBatch) -> None:
+def write_rows(key: torch.Tensor, value: torch.Tensor, pages: Pages, batch: RowBatch, isa: str | None = None) -> None:
     """Write this step's keys and values ``[T, H, D]`` into their rows' pages (vLLM's own cache-write op);
-    ``pages`` from :func:`one_head_pages` or :func:`all_layer_pages`."""
+    ``pages`` from :func:`one_head_pages` or :func:`all_layer_pages`; ``isa`` the layout the cache holds (the
+    engine's ``layer.isa``; default: vLLM's automatic choice)."""
     from vllm import _custom_ops as ops
 
     keys, values = pages
     k = key[batch.token_idx, batch.head_idx].unsqueeze(1)  # [T*H, 1, D]
     v = value[batch.token_idx, batch.head_idx].unsqueeze(1)
-    ops.cpu_attn_reshape_and_cache(k, v, keys, values, batch.slots, _isa(keys.dtype, keys.shape[2], keys.shape[3]))
+    ops.cpu_attn_reshape_and_cache(k, v, keys, values, batch.slots, isa or _isa(keys.dtype, keys.shape[2], keys.shape[3]))
 
 
-def row_attention(query: torch.Tensor, pages: Pages, batch: RowBatch, scale: float) -> torch.Tensor:
+def row_attention(query: torch.Tensor, pages: Pages, batch: RowBatch, scale: float, isa: str | None = None
+                  ) -> torch.Tensor:
     """``query [T, H_q, D]`` -> output ``[T, H_q, D]``: every query head attends to its row's keys (causal by
     row order) through vLLM's ``cpu_attention_with_kv_cache``, one sequence per row."""
     from vllm import _custom_ops as ops
@@ -215,7 +218,7 @@ def row_attention(query: torch.Tensor, pages: Pages, batch: RowBatch, scale: flo
     packed = q4[batch.token_idx, batch.head_idx].contiguous()  # [T*H, G, D]
     out = torch.empty_like(packed)
     rows = int(batch.seq_lens.shape[0])
-    isa = _isa(query.dtype, keys.shape[2], d)
+    isa = isa or _isa(query.dtype, keys.shape[2], d)
     meta = ops.cpu_attn_get_scheduler_metadata(
         num_reqs=rows, num_heads=g, num_kv_heads=1, head_dim=d, seq_lens=batch.seq_lens, dtype=query.dtype,
         query_start_loc=batch.query_start_loc, causal=True, sliding_window_size=-1, isa=isa, enable_kv_split=False)

@@ -32,7 +32,7 @@ import numpy as np
 def place_new_tokens(cache: Any, pool: Any, req_ids: Sequence[str], num_scheduled: np.ndarray,
                      num_computed: np.ndarray, block_rows: np.ndarray, blocks_per_row: np.ndarray,
                      query_start_loc: np.ndarray, slot_mapping: np.ndarray,
-                     on_new: Callable[[str], None]) -> np.ndarray:
+                     on_new: Callable[[str], None], rows: Any = None) -> np.ndarray:
     """Reserve the step's new tokens; write their slots into ``slot_mapping`` (flat token order).
 
     ``num_scheduled [B]`` / ``num_computed [B]`` (true positions before the step), ``block_rows
@@ -41,10 +41,23 @@ def place_new_tokens(cache: Any, pool: Any, req_ids: Sequence[str], num_schedule
     ``on_new(req_id)`` registers a request seen for the first time. Returns the cache lengths ``[B]``
     int32. A request whose token-table length differs from vLLM's computed count was reset behind our
     back (recompute after preemption) and starts again.
+
+    ``rows``: the worker's :class:`~.rows.VllmRowCache` (requests with unequal row budgets, in pages). Their
+    new tokens are reserved there (every row, fed from the same block-table row); their slots in
+    ``slot_mapping`` are ``-1`` (vLLM's write skips them; the row path writes them) and their returned length
+    is the step's query count (what vLLM's stock metadata needs; the row path does not read it).
     """
     seq = np.zeros(len(req_ids), dtype=np.int32)
     for i, rid in enumerate(req_ids):
         n, start = int(num_scheduled[i]), int(num_computed[i])
+        if rows is not None and rid in rows:
+            if rows.logical_len(rid) == start:
+                pool.feed(block_rows[i, rows.held_blocks(rid):int(blocks_per_row[i])])
+                rows.reserve_fed(rid, n)
+                slot_mapping[query_start_loc[i]:query_start_loc[i + 1]] = -1
+                seq[i] = n
+                continue
+            rows.free(rid)  # reset behind our back: starts again in the token table
         known = cache.has_request(rid)
         if known and cache.logical_len(rid) != start:
             cache.free(rid)

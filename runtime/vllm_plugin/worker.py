@@ -36,6 +36,7 @@ import contextlib
 import logging
 import os
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from functools import partial
 from typing import Any
@@ -43,6 +44,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from vtoken_runtime._debug import check
 from vtoken_runtime.block_pool import BlockPool
 from vtoken_runtime.eviction import EvictionDriver
 from vtoken_runtime.stats import StatsCollector
@@ -78,6 +80,10 @@ class ExternalPool(BlockPool):
     def feed(self, ids: Sequence[int]) -> None:
         self._feed = [int(b) for b in ids]
 
+    def pending(self) -> int:
+        """Blocks fed and not yet taken."""
+        return len(self._feed)
+
     def allocate(self, n: int) -> list[int] | None:
         if n < 0:
             raise ValueError(f"cannot allocate a negative number of blocks ({n})")
@@ -106,9 +112,14 @@ class VTokenRunnerMixin:
         self._vt_stats_keys: list[Any] | None = None  # what the statistics kernel reads when no view exists (amx)
         self._vt_queries: QueryWindows | None = None
         self._vt_step: StepContext | None = None
+        self._vt_rows: Any = None  # VllmRowCache: requests with unequal row budgets (None: none possible)
+        self._vt_rowstep: Any = None  # RowStep of this step (None: the stock attention call)
+        self._vt_kvmaps: tuple[np.ndarray, np.ndarray] | None = None  # the probed CPU layout (kmap, vmap)
         self._vt_opts: dict[str, RequestOptions] = {}
         self._vt_n_sched: dict[str, int] = {}
-        self.vtoken_trace: dict[str, list[tuple[int, int, np.ndarray]]] | None = None
+        # tests: per request and step (first position, new tokens, live positions per row: [R, n] uniform, a
+        # list of R arrays for a row request)
+        self.vtoken_trace: dict[str, list[tuple[int, int, Any]]] | None = None
         self._vt_times = {"prepare_seconds": 0.0, "steps": 0}
         self._vt_heap = HeapTrimmer()  # RSS stays at the working set over a long run (see .heap)
         self._vt_rank = 0
@@ -167,12 +178,20 @@ class VTokenRunnerMixin:
         self._vt_cache = cache
         Hq = int(self.model_config.get_num_attention_heads(self.parallel_config))
         self._vt_queries = _query_store(pol, self.model_config, len(names), Hq, H, d2 // 2, kv[0].device)
-        self._vt_driver = EvictionDriver(cache, collective=collective, queries=self._vt_queries)
+        self._vt_rows = self._vt_row_cache(kv, layers[names[0]])
+        handoff = None
+        if self._vt_rows is not None:
+            cache.add_pool_holder(self._vt_rows.held_block_ids)
+            me = weakref.WeakMethod(self._vt_handoff)  # no cycle runner -> driver -> runner
+            handoff = (lambda r, k: me()(r, k))  # noqa: E731
+        self._vt_driver = EvictionDriver(cache, collective=collective, queries=self._vt_queries, handoff=handoff)
         if stat_names:
             self._vt_collector = StatsCollector(cache, stat_names, pol.spec.stats, Hq // H, keys=self._vt_stats_keys)
         col = self._vt_collector
         hooks = frozenset({"do_kv_cache_update"} if col is not None and col.kv else ()) | frozenset(
             {"forward"} if (col is not None and col.attn) or self._vt_queries is not None else ())
+        if self._vt_rows is not None:  # a step with row requests writes and attends through the row path
+            hooks = frozenset({"do_kv_cache_update", "forward"})
         for i, n in enumerate(names):
             layer = layers[n]
             if not isinstance(layer.impl, VTokenAttentionImpl):
@@ -226,8 +245,70 @@ class VTokenRunnerMixin:
         # keys / values a policy reads (s.key, s.value) go through views, or through the probed element maps
         # where the layout has no views (amx)
         views = vllm_cpu_views(kv, kmap, vmap) if affine else vllm_cpu_mapped(kv, kmap, vmap)
+        self._vt_kvmaps, self._vt_isa = (kmap, vmap), isa
         return {"kv_layout": "vllm_cpu", "copy_path": copy_path, "kv_views": views,
                 "copy_engine": partial(VllmCpuCopyEngine, kmap=kmap, vmap=vmap)}
+
+    def _vt_row_cache(self, kv: list[torch.Tensor], layer: Any) -> Any:
+        """The row cache when the policy gives rows unequal budgets (None otherwise). What the row path does not
+        cover yet is refused here, at start-up, by name (docs/vllm.md, "Unequal budgets inside vLLM")."""
+        from .rows import VllmRowCache
+
+        pol = self._vt_policy
+        if pol is None or pol.spec.uniform:
+            return None
+        why = None
+        if self._vt_kvmaps is None:
+            why = "per-row pages are built for vLLM's CPU worker only (the GPU backends are not wired yet)"
+        elif self._vt_cfg.mode == "naive":
+            why = "mode 'naive' holds every block with a live token; it has no per-row pages"
+        elif kv[0].dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            why = f"the KV cache holds {kv[0].dtype} (quantised); the row path writes plain values"
+        else:
+            impl = layer.impl
+            extras = [n for n in ("alibi_slopes", "sinks") if getattr(impl, n, None) is not None]
+            if getattr(impl, "logits_soft_cap", 0) or getattr(impl, "sliding_window", None) not in (None, -1, (-1, -1)):
+                extras.append("soft cap / sliding window")
+            if extras:
+                why = f"the model's attention uses {extras}, which the row path does not pass to the kernel"
+        if why is not None:
+            raise ValueError(f"vtoken: policy {pol.name!r} gives (layer, KV head) rows unequal budgets "
+                             f"({type(pol.spec.allocation).__name__}), but {why}; configure(allocation=vt.Uniform()) "
+                             "serves it with equal budgets")
+        kmap, vmap = self._vt_kvmaps
+        try:
+            return VllmRowCache(kv, kmap, vmap, self._vt_pool, int(self.vllm_config.scheduler_config.max_num_seqs) + 8,
+                                debug=self._vt_cfg.debug)
+        except ValueError as e:
+            raise ValueError(f"vtoken: policy {pol.name!r} needs one page space over every layer's cache: {e}") from None
+
+    def _vt_uniform_twin(self) -> Any:
+        """The engine's policy with ``allocation=vt.Uniform()`` (one object for every request asking for it, so
+        the driver batches them together)."""
+        twin = getattr(self, "_vt_twin", None)
+        if twin is None:
+            import vtoken_sdk as vt
+
+            twin = self._vt_twin = self._vt_policy.configure(allocation=vt.Uniform())
+        return twin
+
+    def _vt_handoff(self, req_id: str, keep: np.ndarray) -> int:
+        """The driver's handoff (unequal keep mask ``[R, n_live]``): the request leaves the token table for per-row
+        pages of its own blocks; the rows' surplus blocks are its list's tail. ValueError, nothing changed, when
+        the row cache refuses (a pin dropped, the table full)."""
+        cache, rows = self._vt_cache, self._vt_rows
+        pos, phys = cache.live_slots(req_id)  # [R, n]: positions and uniform slots (fenced)
+        km = np.asarray(keep, dtype=bool)
+        if km.shape != pos.shape:
+            raise ValueError(f"keep mask shape {km.shape} != (R, n_live) = {pos.shape}")
+        col = self._vt_driver.collective
+        hold = col.max([rows.blocks_for(km)])[0] if col is not None else 0  # TP: every rank holds vLLM's one list
+        rows.adopt_uniform(req_id, cache.pinned_positions(req_id), pos, phys, km, list(cache.table.get(req_id).blocks),
+                           cache.logical_len(req_id), hold=hold)
+        cache.release(req_id)  # its blocks are the row cache's now (the surplus already back in the pool)
+        if self._vt_queries is not None:
+            self._vt_queries.remove(req_id)
+        return int(km.size - km.sum())
 
     def _vt_set_attn_isa(self, isa: str) -> None:
         """Point vLLM's CPU attention (every metadata builder and attention layer) at kernel ``isa``. Only
@@ -279,6 +360,8 @@ class VTokenRunnerMixin:
                         int(state.num_prompt_tokens) + int(getattr(state.sampling_params, "max_tokens", None) or 0))
             spans = opts.clipped_spans(limit)
             pins = np.concatenate([np.arange(a, b) for a, b in spans]) if spans else None
+            if use is not None and opts.allocation == "uniform" and not use.spec.uniform:
+                use = self._vt_uniform_twin()  # the request asked for equal rows: the token table keeps it
             if use is not None:
                 budget = use.budget.override(opts.budget_tokens, opts.eviction_ratio)
         except Exception as e:
@@ -297,14 +380,19 @@ class VTokenRunnerMixin:
         if cache is not None:
             cache.fence()
             q = self._vt_queries
+            rows = self._vt_rows
             for rid in scheduler_output.preempted_req_ids or ():
                 if cache.has_request(rid):
                     cache.preempt(rid)  # recompute: the request comes back with num_computed_tokens = 0
+                if rows is not None and rid in rows:
+                    rows.free(rid)
                 if q is not None:
                     q.remove(rid)
             for rid in scheduler_output.finished_req_ids:
                 if cache.has_request(rid):
                     cache.free(rid)
+                if rows is not None and rid in rows:
+                    rows.free(rid)
                 if q is not None:
                     q.remove(rid)
                 self._vt_opts.pop(rid, None)
@@ -327,14 +415,26 @@ class VTokenRunnerMixin:
         qsl = self.query_start_loc.np[: num_reqs + 1]
         computed = ib.num_computed_tokens_cpu[:num_reqs]
         seq = place_new_tokens(cache, self._vt_pool, req_ids, num_scheduled_tokens, computed, bt.block_table.np,
-                               bt.num_blocks_per_row, qsl, bt.slot_mapping.np, self._vt_add)
+                               bt.num_blocks_per_row, qsl, bt.slot_mapping.np, self._vt_add, rows=self._vt_rows)
         total = int(qsl[num_reqs])
+        rows = self._vt_rows
+        self._vt_rowstep = None
+        if rows is not None and self._vt_cfg.debug:  # every rank: vLLM's list is exactly the rows' blocks
+            for i, rid in enumerate(req_ids):
+                if rid in rows:
+                    check(rows.held_blocks(rid) == int(bt.num_blocks_per_row[i]), "ROWS",
+                          f"row request {rid} holds {rows.held_blocks(rid)} blocks, vLLM's list "
+                          f"{int(bt.num_blocks_per_row[i])} (rank {self._vt_rank})")
+        if rows is not None and any(r in rows for r in req_ids):
+            self._vt_rowstep = rows.step(req_ids, num_scheduled_tokens[:num_reqs], seq, bt.block_table.np[:num_reqs],
+                                         self._vt_isa)
         positions = true_positions(computed, num_scheduled_tokens[:num_reqs])
         for i, rid in enumerate(req_ids):
             n = int(num_scheduled_tokens[i])
             self._vt_n_sched[rid] = n
             if self.vtoken_trace is not None:  # tests: the key set each query of this step attends to
-                self.vtoken_trace.setdefault(rid, []).append((int(computed[i]), n, cache.live_view(rid)[0].copy()))
+                live = rows.positions(rid) if rows is not None and rid in rows else cache.live_view(rid)[0].copy()
+                self.vtoken_trace.setdefault(rid, []).append((int(computed[i]), n, live))
         # In place, into vLLM's persistent buffers (stable addresses for CUDA graphs): slots, the device
         # lengths (non-blocking from pinned memory) and the host upper bound behind max_seq_len.
         bt.slot_mapping.copy_to_gpu(total)
@@ -367,6 +467,7 @@ class VTokenRunnerMixin:
     def sample_tokens(self, grammar_output: Any) -> Any:
         with discarded_cpu_generators_held(self):
             out = super().sample_tokens(grammar_output)  # type: ignore[misc]
+        self._vt_rowstep = None
         if self._vt_step is None or self._vt_cache is None:
             return out
         self._vt_step = None
@@ -381,7 +482,8 @@ class VTokenRunnerMixin:
 
     # ------------------------------------------------------------------ eviction
     def _vt_after_step(self, req_ids: list[str]) -> dict[str, Truncation]:
-        """The driver's step for requests whose prompt is complete. Returns, per evicted request, the scheduler's
+        """The driver's step for requests whose prompt is complete. Returns, per evicted request and per row
+        request of the batch (:meth:`.rows.VllmRowCache.scheduler_len`), the scheduler's
         :class:`~.report.Truncation` (its true length and the cache length the scheduler keeps blocks
         for). The worker edits no vLLM block list: the scheduler's block manager frees the tail blocks and the
         next scheduler output sends the runner the truncated row."""
@@ -396,17 +498,28 @@ class VTokenRunnerMixin:
                 phases[rid] = "chunk"
             else:
                 phases[rid] = "prefill" if seq - self._vt_n_sched.get(rid, 0) < plen else "decode"
-        if not phases:
-            return {}
-        step = self._vt_driver.step(list(phases), phases)
-        if self._vt_rank == 0:
-            record_step(step)
-        naive = self._vt_cfg.mode == "naive"
-        report = {rid: Truncation(cache.logical_len(rid), cache.naive_cache_len(rid) if naive else cache.cache_len(rid))
-                  for rid in step.evicted}
+        rows = self._vt_rows
+        report: dict[str, Truncation] = {}
+        if phases:
+            step = self._vt_driver.step(list(phases), phases)
+            if self._vt_rank == 0:
+                record_step(step)
+            naive = self._vt_cfg.mode == "naive"
+            report = {rid: Truncation(cache.logical_len(rid), cache.naive_cache_len(rid) if naive else cache.cache_len(rid))
+                      for rid in step.evicted if cache.has_request(rid)}
+        if rows is not None:  # every row request of the batch (handed off now or earlier): the length to hold
+            rids = [rid for rid in req_ids if rid in rows]
+            need = [rows.table.blocks_needed(rid, 1) for rid in rids]
+            col = self._vt_driver.collective
+            if col is not None:  # the block the next token needs on any rank
+                need = col.max(need)
+            for rid, k in zip(rids, need, strict=True):
+                report[rid] = Truncation(rows.logical_len(rid), rows.scheduler_len(rid, k))
         if report and self._vt_cfg.debug:
             cache.fence()
             cache.check_invariants()
+            if rows is not None:
+                rows.check_invariants()
         return report
 
 
@@ -485,6 +598,7 @@ class TPCollective:
 
     def __init__(self, group: Any) -> None:
         self.group = group
+        self.rank, self.world_size = int(group.rank_in_group), int(group.world_size)
 
     def gather_heads(self, t: torch.Tensor) -> torch.Tensor:
         return self.group.all_gather(t.contiguous(), dim=2)
@@ -494,6 +608,13 @@ class TPCollective:
             return flags
         t = torch.tensor([1.0 if f else 0.0 for f in flags], dtype=torch.float32)
         return (self.group.all_reduce(t) > 0).tolist()
+
+    def max(self, values: list[int]) -> list[int]:
+        if not values:
+            return values
+        # an all-gather (the group's all_reduce only sums) of float32 (the CPU all-gather's types; exact < 2**24)
+        t = torch.tensor(values, dtype=torch.float32)
+        return [int(v) for v in self.group.all_gather(t[None], dim=0).max(dim=0).values.tolist()]
 
 
 def _tp_collective(policy: Any) -> tuple[int, TPCollective | None]:

@@ -337,3 +337,19 @@ def test_goodput_rows_parse() -> None:
     for bad in ("h2o", "h2o@x", "h2o@1.5", "weird:h2o@0.5", "@0.5"):
         with pytest.raises(ValueError, match="goodput_rows"):
             ServeConfig(goodput_rows=bad).validate()
+
+
+def test_unequal_policies_evict_once_after_the_prompt_and_have_no_naive_rows() -> None:
+    """A row of a policy with unequal budgets runs in per-row pages (issue 39): ``when="prefill"`` whatever the
+    trace's ``when`` (the only eviction point per-row pages take), and no Naive-Evict row (no per-row pages);
+    its statistics cost can run beside H2O's (``stats_extra``)."""
+    from vtoken_bench.serve_config import ServeConfig, plugin_args, row_keys, row_when
+    from vtoken_bench.serve_overhead import stats_cost_specs
+
+    cfg = ServeConfig(policies=("h2o", "ada_snapkv"), ratios=(0.5,), modes=("naive", "vtoken"), when="chunks",
+                      stats_extra=("ada_snapkv",))
+    assert row_when(cfg, "h2o") == "chunks" and row_when(cfg, "ada_snapkv") == "prefill"
+    assert row_keys(cfg) == [("naive", "h2o", 0.5), ("vtoken", "h2o", 0.5), ("vtoken", "ada_snapkv", 0.5)]
+    assert plugin_args(cfg, "ada_snapkv", 0.5)["when"] == "prefill"
+    specs, alone = stats_cost_specs(cfg)
+    assert specs["ada_snapkv"]["when"] == "prefill" and "ada_snapkv" in alone

@@ -145,8 +145,11 @@ class RowMachine(RuleBasedStateMachine):
             self._write(g, np.full(p.size, r), p)
             kept.append(p)
             src.append(g)
-        freed = self.rc.adopt(rid, pins, kept, src, list(blocks), n)
+        # hold: blocks to keep beyond the rows' need (tensor-parallel ranks agree on the larger count)
+        hold = data.draw(st.integers(0, len(blocks)))
+        freed = self.rc.adopt(rid, pins, kept, src, list(blocks), n, hold=hold)
         assert freed == len(blocks) - self.rc.held_blocks(rid)
+        assert self.rc.held_blocks(rid) >= hold
         self.model[rid], self.pins[rid] = kept, pins
 
     @precondition(lambda self: bool(self.model))
@@ -158,6 +161,24 @@ class RowMachine(RuleBasedStateMachine):
         if slots is None:
             assert self.pool.num_free < self.rc.table.blocks_needed(rid, n)
             return
+        for r in range(self.R):
+            self._write(slots[r], np.full(n, r), np.arange(start, start + n))
+            self.model[rid][r] = np.concatenate([self.model[rid][r], np.arange(start, start + n)])
+
+    @precondition(lambda self: bool(self.model))
+    @rule(data=st.data(), n=st.integers(1, 6), extra=st.integers(1, 2))
+    def reserve_with_spare_blocks(self, data: st.DataObject, n: int, extra: int) -> None:
+        """vLLM gave more blocks than these rows need (another tensor-parallel rank needed one): the rest are
+        held as free pages (``hold``) and used by later tokens before any new block."""
+        rid = data.draw(st.sampled_from(sorted(self.model)))
+        start = self.rc.logical_len(rid)
+        need = self.rc.table.blocks_needed(rid, n)
+        new = self.pool.allocate(need + extra)
+        if new is None:
+            return
+        before = self.rc.held_blocks(rid)
+        slots = self.rc.table.reserve(rid, n, new, spare=True)[0]
+        assert self.rc.held_blocks(rid) == before + need + extra
         for r in range(self.R):
             self._write(slots[r], np.full(n, r), np.arange(start, start + n))
             self.model[rid][r] = np.concatenate([self.model[rid][r], np.arange(start, start + n)])

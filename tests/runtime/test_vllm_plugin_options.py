@@ -37,6 +37,7 @@ def test_any_json_value_is_parsed_or_refused_with_a_value_error(extra: dict) -> 
     assert o.eviction_ratio is None or 0.0 <= o.eviction_ratio < 1.0
     assert not (o.budget_tokens is not None and o.eviction_ratio is not None)
     assert all(isinstance(a, int) and isinstance(b, int) and 0 <= a <= b for a, b in o.pinned_spans)
+    assert o.allocation in ("policy", "uniform")
 
 
 @settings(max_examples=300, deadline=None)
@@ -66,12 +67,16 @@ def test_spans_are_flat_pairs_and_clipped_to_the_request(spans: list, length: in
     ({"vtoken": False}, RequestOptions(enabled=False)),
     ({"vtoken": {"budget_tokens": 16, "pinned_spans": [[0, 4]]}}, RequestOptions(budget_tokens=16, pinned_spans=((0, 4),))),
     ({"session_id": "abc", "other": 1}, RequestOptions()),  # not ours: left alone
+    ({"vtoken_allocation": "uniform"}, RequestOptions(allocation="uniform")),
+    ({"vtoken": {"allocation": "policy"}}, RequestOptions()),
 ])
 def test_known_values(extra: dict, want: RequestOptions) -> None:
     assert parse_request_options(extra) == want
 
 
 @pytest.mark.parametrize("extra, key", [
+    ({"vtoken_allocation": "adaptive"}, "vtoken_allocation must be one of"),
+    ({"vtoken_allocation": 1}, "vtoken_allocation"),
     ({"vtoken_enabled": "false"}, "vtoken_enabled"),
     ({"vtoken_budget_tokens": True}, "vtoken_budget_tokens"),
     ({"vtoken_budget_tokens": 0}, "vtoken_budget_tokens"),
@@ -147,6 +152,8 @@ def test_the_serving_slack_is_block_unless_the_policy_or_the_configuration_sets_
     assert PluginConfig(policy="mine", slack="block").load_policy().budget.slack == "block"
 
 
-def test_serving_a_policy_with_unequal_budgets_is_refused_at_load_with_the_reason() -> None:
-    with pytest.raises(ValueError, match="vtoken: policy 'ada_snapkv' has allocation=AdaptiveLayer"):
-        PluginConfig(policy="ada_snapkv").load_policy()
+def test_a_policy_with_unequal_budgets_loads_and_one_evicting_during_decode_is_refused_with_the_reason() -> None:
+    pol = PluginConfig(policy="ada_snapkv").load_policy()  # per-row pages in the CPU worker (issue 39)
+    assert not pol.spec.uniform and pol.budget.when == "prefill"
+    with pytest.raises(ValueError, match="vtoken: policy 'ada_snapkv' has allocation=AdaptiveLayer.*when='decode'"):
+        PluginConfig(policy="ada_snapkv", when="decode").load_policy()

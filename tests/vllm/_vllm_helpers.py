@@ -110,12 +110,12 @@ def _replay_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value
 
 def replay_masks(trace: list[tuple[int, int, np.ndarray]], total: int, num_layers: int, num_kv_heads: int
                  ) -> dict[int, torch.Tensor]:
-    """From the engine trace (per step: first position, query count, live positions [R, n] including the
-    step's own tokens) build ``{layer: [Hkv, total, total] bool}``: query i sees key j iff j was live
+    """From the engine trace (per step: first position, query count, live positions per row including the
+    step's own tokens: ``[R, n]``, or a list of R arrays of unequal lengths for a request in per-row pages) build ``{layer: [Hkv, total, total] bool}``: query i sees key j iff j was live
     when i was processed and j <= i."""
     allow = torch.zeros(num_layers, num_kv_heads, total, total, dtype=torch.bool)
     for start, n, pos in trace:
-        R = pos.shape[0]
+        R = len(pos)
         for q in range(start, start + n):
             for r in range(num_layers * num_kv_heads):
                 p = pos[r if R > 1 else 0]
@@ -157,3 +157,41 @@ def metric(name: str) -> float:
 
     counters()  # created once per process
     return float(REGISTRY.get_sample_value(name) or 0.0)
+
+
+def hf_session_generate(policy: str, ratio: float, prompt: list[int], max_tokens: int, num_blocks: int
+                        ) -> tuple[list[int], list[Any]]:
+    """The shipped ``policy`` at eviction ratio ``ratio`` in the HF adapter on SmolLM2 (blocks of 32, the whole
+    prompt in one chunk, kept sets recorded): ``(greedy tokens, the request's keep log)``."""
+    import vtoken_policies
+    from vtoken_bench.models import load_smollm2
+    from vtoken_runtime.hf_adapter import HFSession
+
+    model, _ = load_smollm2()
+    pol = vtoken_policies.load(policy)
+    pol = pol.configure(budget=pol.budget.model_copy(update={"ratio": ratio}))
+    s = HFSession(model, block_size=32, num_blocks=num_blocks, stat_names=pol.stored_reads, chunk_size=len(prompt),
+                  record_keeps=True)
+    s.add("r", pol)
+    out = s.generate(["r"], [prompt], max_tokens)[0]
+    return out, s.requests["r"].keep_log
+
+
+def replay_gap(model: str | Path, trace: dict[str, list], ps: list[list[int]], outs: list[list[int]], L: int,
+                H: int) -> tuple[float, int]:
+    """Worst logit gap between each engine token and the argmax of the HF replay over the kept rows, and the
+    number of tokens checked."""
+    rids = sorted(trace, key=lambda r: int(r.split("-")[0]))
+    worst, checked = 0.0, 0
+    for rid, p, o in zip(rids, ps, outs, strict=True):
+        ids = p + o[:-1]
+        for seg in segments(trace[rid]):
+            end = max(s + n for s, n, _ in seg)
+            lg = hf_replay_logits(model, ids[:end], replay_masks(seg, end, L, H))
+            for s, n, _ in seg:
+                t = s + n - len(p)
+                if 0 <= t < len(o):
+                    row = lg[s + n - 1]
+                    worst = max(worst, float(row.max() - row[o[t]]))
+                    checked += 1
+    return worst, checked

@@ -16,11 +16,10 @@ pytest.importorskip("vllm")
 from tests.vllm._vllm_helpers import (  # noqa: E402
     engine,
     generate,
-    hf_replay_logits,
-    replay_masks,
+    hf_session_generate,
+    replay_gap,
     runner,
     scheduler,
-    segments,
 )
 from vtoken_runtime.token_table import cdiv  # noqa: E402
 
@@ -70,21 +69,8 @@ def test_smollm2_h2o_matches_hf_replay_and_blocks(smol: tuple[str, list[list[int
     outs = generate(llm, ps, 24)
     assert run.vtoken_counters["tokens_evicted"] > 0 and not bad
     cache = run.vtoken_cache
-    L, H = cache.num_layers, cache.num_kv_heads
-    rids = sorted(run.vtoken_trace, key=lambda r: int(r.split("-")[0]))
-    worst_gap = 0.0
-    for rid, p, o in zip(rids, ps, outs, strict=True):
-        ids = p + o[:-1]
-        for seg in segments(run.vtoken_trace[rid]):
-            end = max(s + n for s, n, _ in seg)
-            lg = hf_replay_logits(path, ids[:end], replay_masks(seg, end, L, H))
-            for s, n, _ in seg:
-                t = s + n - len(p)
-                if 0 <= t < len(o):
-                    row = lg[s + n - 1]
-                    # the engine's token must be the replay's argmax up to float noise between kernels
-                    gap = float(row.max() - row[o[t]])
-                    worst_gap = max(worst_gap, gap)
+    # the engine's token must be the replay's argmax up to float noise between kernels
+    worst_gap, _ = replay_gap(path, run.vtoken_trace, ps, outs, cache.num_layers, cache.num_kv_heads)
     print(f"max logit gap between the engine's greedy token and the HF replay argmax: {worst_gap:.2e}")
     assert worst_gap < 1e-3
 
@@ -95,10 +81,6 @@ def test_smollm2_matches_the_hf_adapter(smol: tuple[str, list[list[int]]], polic
     (layer, KV head) at every decode step and produce the same greedy tokens."""
     import numpy as np
 
-    import vtoken_policies
-    from vtoken_bench.models import load_smollm2
-    from vtoken_runtime.hf_adapter import HFSession
-
     path, ps = smol
     prompt = ps[0]
     llm = engine(path, {"policy": policy, "eviction_ratio": 0.5}, tokenizer=True, blocks=48)
@@ -108,14 +90,7 @@ def test_smollm2_matches_the_hf_adapter(smol: tuple[str, list[list[int]]], polic
     trace = next(iter(run.vtoken_trace.values()))
     del llm
 
-    model, _ = load_smollm2()
-    pol = vtoken_policies.load(policy)
-    pol = pol.configure(budget=pol.budget.model_copy(update={"ratio": 0.5}))
-    s = HFSession(model, block_size=32, num_blocks=64, stat_names=pol.stored_reads, chunk_size=len(prompt),
-                  record_keeps=True)
-    s.add("r", pol)
-    out_hf = s.generate(["r"], [prompt], 24)[0]
-    log = s.requests["r"].keep_log
+    out_hf, log = hf_session_generate(policy, 0.5, prompt, 24, num_blocks=64)
     assert log
     compared = mismatched = 0
     for start, n, pos in trace:
