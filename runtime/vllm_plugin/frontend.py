@@ -60,27 +60,37 @@ class VTokenOptions(LogitsProcessor):
 
 
 def http_options_error(body: Any) -> tuple[str, str] | None:
-    """``(message, key)`` when the ``vtoken*`` keys of a request body's ``vllm_xargs`` are invalid, else None
-    (no ``vllm_xargs``, a ``vllm_xargs`` that is not a mapping, or no ``vtoken`` key: vLLM's business)."""
-    xargs = body.get("vllm_xargs") if isinstance(body, dict) else None
+    """``(message, param)`` when a request body's ``vtoken*`` keys are invalid, else None (no ``vtoken`` key, or
+    a ``vllm_xargs`` that is not a mapping: vLLM's business). ``param`` is the key's path in the body. A
+    ``vtoken*`` key at the top level of the body is an error too: vLLM drops fields it does not know without a
+    word, so the option would silently do nothing."""
+    if not isinstance(body, dict):
+        return None
+    top = sorted(k for k in body if isinstance(k, str) and k.startswith(CONFIG_KEY))
+    if top:
+        return (f"vtoken: {top[0]!r} at the top level of the request body is not read (vLLM ignores unknown "
+                f"fields); per-request options go inside vllm_xargs, e.g. {{\"vllm_xargs\": {{\"{top[0]}\": ...}}}} "
+                "(openai client: extra_body={\"vllm_xargs\": {...}})", top[0])
+    xargs = body.get("vllm_xargs")
     if not isinstance(xargs, dict):
         return None
     ours = {k: v for k, v in xargs.items() if isinstance(k, str) and k.startswith(CONFIG_KEY)}
     if not ours:
         return None
     if CONFIG_KEY in ours:
-        return NESTED_OVER_HTTP, CONFIG_KEY
+        return NESTED_OVER_HTTP, f"vllm_xargs.{CONFIG_KEY}"
     try:
         parse_request_options(ours)
     except ValueError as e:
         msg = str(e)
         key = next((k for k in sorted(ours, key=len, reverse=True) if k in msg), CONFIG_KEY)
-        return msg, key
+        return msg, f"vllm_xargs.{key}"
     return None
 
 
 class VTokenRequestCheck:
-    """ASGI middleware: a POST whose JSON body has invalid ``vllm_xargs`` ``vtoken*`` keys is answered 400
+    """ASGI middleware: a POST whose JSON body has invalid ``vllm_xargs`` ``vtoken*`` keys (or ``vtoken*`` keys
+    at its top level, where vLLM would drop them) is answered 400
     (vLLM's error body: ``{"error": {"message", "type", "param", "code"}}``) before vLLM sees it; every
     other request, and the body of a valid one, passes through unchanged."""
 
@@ -117,8 +127,8 @@ class VTokenRequestCheck:
         await self.app(scope, replay, send)
 
 
-async def _send_400(send: Any, message: str, key: str) -> None:
-    payload = json.dumps({"error": {"message": message, "type": "Bad Request", "param": f"vllm_xargs.{key}",
+async def _send_400(send: Any, message: str, param: str) -> None:
+    payload = json.dumps({"error": {"message": message, "type": "Bad Request", "param": param,
                                     "code": 400}}).encode()
     await send({"type": "http.response.start", "status": 400,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})

@@ -157,3 +157,17 @@ def test_a_policy_with_unequal_budgets_loads_and_one_evicting_during_decode_is_r
     assert not pol.spec.uniform and pol.budget.when == "prefill"
     with pytest.raises(ValueError, match="vtoken: policy 'ada_snapkv' has allocation=AdaptiveLayer.*when='decode'"):
         PluginConfig(policy="ada_snapkv", when="decode").load_policy()
+
+
+def test_http_check_names_the_path_and_refuses_options_at_the_top_level_of_the_body() -> None:
+    """vLLM drops body fields it does not know without a word: ``vtoken_*`` at the top level (instead of inside
+    ``vllm_xargs``) would silently do nothing, so the HTTP check refuses it, naming where it goes."""
+    from vtoken_runtime.vllm_plugin.frontend import http_options_error
+
+    msg, param = http_options_error({"prompt": "x", "vtoken_budget_tokens": 8})
+    assert param == "vtoken_budget_tokens" and "inside vllm_xargs" in msg and "\n" not in msg
+    assert http_options_error({"vllm_xargs": {"vtoken_budget_tokens": 0}})[1] == "vllm_xargs.vtoken_budget_tokens"
+    assert http_options_error({"vllm_xargs": {"vtoken": {}}})[1] == "vllm_xargs.vtoken"
+    for fine in ({"vllm_xargs": {"vtoken_budget_tokens": 8}}, {"prompt": "vtoken_budget_tokens"}, [1], "x",
+                 {"vllm_xargs": "vtoken"}):
+        assert http_options_error(fine) is None

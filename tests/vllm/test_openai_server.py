@@ -172,7 +172,10 @@ def test_malformed_options_are_one_line_naming_the_key_and_the_accepted_form(ser
     with pytest.raises(openai.BadRequestError) as e:
         _completion(server, extra_body={"vllm_xargs": {"vtoken": {"enabled": False}}})
     assert e.value.status_code == 400 and "flat keys" in e.value.message
-    assert server.metric("vtoken_rejected_requests_total") == rejected + 2 * len(MALFORMED) + 1
+    with pytest.raises(openai.BadRequestError) as e:  # outside vllm_xargs vLLM would drop it without a word
+        _completion(server, extra_body={"vtoken_budget_tokens": 8})
+    assert e.value.status_code == 400 and "inside vllm_xargs" in e.value.message
+    assert server.metric("vtoken_rejected_requests_total") == rejected + 2 * len(MALFORMED) + 2
     code, body = _post(server.base + "/v1/completions", {"model": server.model, "prompt": "hello", "max_tokens": 4,
                                                          "vllm_xargs": {"vtoken_pinned_spans": [0, 16, 32, 40]}})
     assert code == 200 and body["choices"][0]["text"]
