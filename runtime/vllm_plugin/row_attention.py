@@ -77,6 +77,36 @@ def all_layer_pages(kv_caches: Sequence[torch.Tensor]) -> Pages:
     return keys, values
 
 
+def hnd_layer_pages(kv_caches: Sequence[torch.Tensor]) -> Pages:
+    """The GPU Triton backend's caches (vLLM 0.32: each layer's logical ``[NB, H, bs, 2D]``, a (head, slot)'s
+    key then value in its last dim; physically HND, i.e. contiguous in that order) -> one page space over every
+    layer, in the layout vLLM's Triton kernels take (``[pages, bs, 1, D]``: page, slot, head, dim), keys and
+    values: page ``p = (layer * NB + block) * H + head``, its key of slot ``s`` at ``(p * bs + s) * 2D``, the
+    value ``D`` further. ValueError unless the layers are consecutive, equally shaped, HND-contiguous views
+    of one buffer (what :func:`all_layer_pages` checks for the CPU layout)."""
+    if not kv_caches:
+        raise ValueError("vtoken: no layers")
+    first = kv_caches[0]
+    if first.dim() != 4 or first.shape[-1] % 2:
+        raise ValueError(f"vtoken: kv_cache shape {tuple(first.shape)}; expected [blocks, kv_heads, block_size, "
+                         "2 * head_size] (vLLM's Triton-backend layout)")
+    step = first.numel() * first.element_size()
+    for i, c in enumerate(kv_caches):
+        if c.shape != first.shape or c.dtype != first.dtype or not c.is_contiguous():
+            raise ValueError(f"vtoken: layer {i}'s cache {tuple(c.shape)} {c.dtype} is not an HND-contiguous "
+                             f"[NB, H, bs, 2D] view like layer 0's (set VLLM_KV_CACHE_LAYOUT=HND)")
+        if c.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or \
+                c.data_ptr() != first.data_ptr() + i * step:
+            raise ValueError(f"vtoken: layer {i}'s cache is not the {i}-th consecutive view of one buffer")
+    nb, h, bs, d2 = first.shape
+    d = d2 // 2
+    pages = len(kv_caches) * nb * h
+    keys = torch.as_strided(first, (pages, bs, 1, d), (bs * d2, d2, bs * d2, 1))
+    values = torch.as_strided(first, (pages, bs, 1, d), (bs * d2, d2, bs * d2, 1),
+                              storage_offset=first.storage_offset() + d)
+    return keys, values
+
+
 @dataclass(frozen=True)
 class RowBatch:
     """One layer's step over rows: request ``r``'s ``q_r`` new tokens, its rows ``(r, 0..H-1)``.
@@ -231,5 +261,41 @@ def row_attention(query: torch.Tensor, pages: Pages, batch: RowBatch, scale: flo
     return result.view(t_n, hq, d)
 
 
-__all__ = ["Pages", "RowBatch", "all_layer_pages", "build_row_batch", "move_tokens", "one_head_pages", "row_attention",
-           "vllm_pages", "write_rows"]
+def triton_write_rows(key: torch.Tensor, value: torch.Tensor, pages: Pages, batch: RowBatch) -> None:
+    """:func:`write_rows` for the GPU Triton backend's pages (:func:`hnd_layer_pages`): vLLM's own
+    ``triton_reshape_and_cache_flash`` with one head per page."""
+    from vllm.v1.attention.ops.triton_reshape_and_cache_flash import triton_reshape_and_cache_flash
+
+    keys, values = pages
+    k = key[batch.token_idx, batch.head_idx].unsqueeze(1)  # [T*H, 1, D]
+    v = value[batch.token_idx, batch.head_idx].unsqueeze(1)
+    one = torch.ones((), dtype=torch.float32, device=key.device)
+    triton_reshape_and_cache_flash(k, v, keys, values, batch.slots.to(key.device), "auto", one, one)
+
+
+def triton_row_attention(query: torch.Tensor, pages: Pages, batch: RowBatch, scale: float) -> torch.Tensor:
+    """:func:`row_attention` through the GPU Triton backend's kernel (vLLM's ``unified_attention``, the call
+    ``TritonAttentionImpl.forward`` makes) over :func:`hnd_layer_pages`: one sequence per row, one KV head."""
+    from vllm.v1.attention.ops.triton_unified_attention import unified_attention
+
+    t_n, hq, d = query.shape
+    h = batch.num_kv_heads
+    g = hq // h
+    keys, values = pages
+    dev = query.device
+    q4 = query.view(t_n, h, g, d)
+    packed = q4[batch.token_idx.to(dev), batch.head_idx.to(dev)].contiguous()  # [T*H, G, D]
+    out = torch.empty_like(packed)
+    qsl = batch.query_start_loc.to(dev)
+    q_lens = batch.query_start_loc[1:] - batch.query_start_loc[:-1]
+    max_q = int(q_lens.max()) if q_lens.numel() else 1
+    unified_attention(packed, keys, values, out, qsl, max_q, batch.seq_lens.to(dev), batch.max_seq_len, scale, True,
+                      (-1, -1),
+                      batch.block_table.to(dev), 0, None, None, None)
+    result = torch.empty_like(q4)
+    result[batch.token_idx.to(dev), batch.head_idx.to(dev)] = out
+    return result.view(t_n, hq, d)
+
+
+__all__ = ["Pages", "RowBatch", "all_layer_pages", "build_row_batch", "hnd_layer_pages", "move_tokens", "one_head_pages",
+           "row_attention", "triton_row_attention", "triton_write_rows", "vllm_pages", "write_rows"]
