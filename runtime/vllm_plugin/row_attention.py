@@ -51,25 +51,33 @@ def one_head_pages(kv_cache: torch.Tensor) -> Pages:
     return all_layer_pages([kv_cache])
 
 
-def all_layer_pages(kv_caches: Sequence[torch.Tensor]) -> Pages:
-    """The layers' caches (each ``[NB, H, bs, 2D]``) -> one page space over all of them, ``[L*NB*H, 1, bs, D]``
-    keys and values: page ``p = (layer * NB + block) * H + head``. ValueError unless the layers are consecutive,
-    equally shaped, contiguous views of one buffer, in layer order (how vLLM's CPU worker allocates them)."""
+def _one_buffer(kv_caches: Sequence[torch.Tensor], layout: str) -> torch.Tensor:
+    """Layer 0's cache after checking that the layers (each ``[NB, H, bs, 2D]``) are consecutive, equally shaped,
+    contiguous views of one buffer, in layer order (how vLLM allocates one KV cache group); ValueError naming
+    the layer otherwise. ``layout`` names the expected layout in the messages."""
     if not kv_caches:
         raise ValueError("vtoken: no layers")
     first = kv_caches[0]
     if first.dim() != 4 or first.shape[-1] % 2:
         raise ValueError(f"vtoken: kv_cache shape {tuple(first.shape)}; expected [blocks, kv_heads, block_size, "
-                         "2 * head_size] (vLLM's CPU layout)")
+                         f"2 * head_size] ({layout})")
     step = first.numel() * first.element_size()
     for i, c in enumerate(kv_caches):
         if c.shape != first.shape or c.dtype != first.dtype or not c.is_contiguous():
             raise ValueError(f"vtoken: layer {i}'s cache {tuple(c.shape)} {c.dtype}; expected {tuple(first.shape)} "
-                             f"{first.dtype}, contiguous (vLLM's [NB, H, bs, 2D] layout as allocated)")
+                             f"{first.dtype}, contiguous ({layout}, [NB, H, bs, 2D] as allocated)")
         if c.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or \
                 c.data_ptr() != first.data_ptr() + i * step:
             raise ValueError(f"vtoken: layer {i}'s cache is not the {i}-th consecutive view of one buffer; one page "
                              "space needs the layers in one allocation")
+    return first
+
+
+def all_layer_pages(kv_caches: Sequence[torch.Tensor]) -> Pages:
+    """The layers' caches (each ``[NB, H, bs, 2D]``) -> one page space over all of them, ``[L*NB*H, 1, bs, D]``
+    keys and values: page ``p = (layer * NB + block) * H + head``. ValueError unless the layers are consecutive,
+    equally shaped, contiguous views of one buffer, in layer order (how vLLM's CPU worker allocates them)."""
+    first = _one_buffer(kv_caches, "vLLM's CPU layout")
     nb, h, bs, d2 = first.shape
     whole = torch.as_strided(first, (len(kv_caches) * nb * h, 1, 2 * bs, d2 // 2),
                              (2 * bs * (d2 // 2), 2 * bs * (d2 // 2), d2 // 2, 1))
@@ -83,21 +91,8 @@ def hnd_layer_pages(kv_caches: Sequence[torch.Tensor]) -> Pages:
     layer, in the layout vLLM's Triton kernels take (``[pages, bs, 1, D]``: page, slot, head, dim), keys and
     values: page ``p = (layer * NB + block) * H + head``, its key of slot ``s`` at ``(p * bs + s) * 2D``, the
     value ``D`` further. ValueError unless the layers are consecutive, equally shaped, HND-contiguous views
-    of one buffer (what :func:`all_layer_pages` checks for the CPU layout)."""
-    if not kv_caches:
-        raise ValueError("vtoken: no layers")
-    first = kv_caches[0]
-    if first.dim() != 4 or first.shape[-1] % 2:
-        raise ValueError(f"vtoken: kv_cache shape {tuple(first.shape)}; expected [blocks, kv_heads, block_size, "
-                         "2 * head_size] (vLLM's Triton-backend layout)")
-    step = first.numel() * first.element_size()
-    for i, c in enumerate(kv_caches):
-        if c.shape != first.shape or c.dtype != first.dtype or not c.is_contiguous():
-            raise ValueError(f"vtoken: layer {i}'s cache {tuple(c.shape)} {c.dtype} is not an HND-contiguous "
-                             f"[NB, H, bs, 2D] view like layer 0's (set VLLM_KV_CACHE_LAYOUT=HND)")
-        if c.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or \
-                c.data_ptr() != first.data_ptr() + i * step:
-            raise ValueError(f"vtoken: layer {i}'s cache is not the {i}-th consecutive view of one buffer")
+    of one buffer (VLLM_KV_CACHE_LAYOUT=HND)."""
+    first = _one_buffer(kv_caches, "vLLM's Triton-backend HND layout")
     nb, h, bs, d2 = first.shape
     d = d2 // 2
     pages = len(kv_caches) * nb * h

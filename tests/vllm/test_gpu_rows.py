@@ -42,5 +42,5 @@ def test_hnd_pages_are_one_page_space_and_refuse_other_layouts() -> None:
     assert torch.equal(keys[page, :, 0], buf[1, 2, 1, :, :3]) and torch.equal(values[page, :, 0], buf[1, 2, 1, :, 3:])
     with pytest.raises(ValueError, match="consecutive view"):
         hnd_layer_pages([buf[1], buf[0]])
-    with pytest.raises(ValueError, match="HND-contiguous"):
+    with pytest.raises(ValueError, match="HND layout"):
         hnd_layer_pages([buf[0].transpose(1, 2), buf[1].transpose(1, 2)])
