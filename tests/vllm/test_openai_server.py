@@ -6,8 +6,9 @@ fixture. Checked: every ``vtoken_*`` counter is on ``/metrics`` at 0 before the 
 and chat, streaming and not; per-request options over ``vllm_xargs`` (eviction seen on ``/metrics``); every
 invalid option is a 400 naming the key (one line, with the accepted form; streamed requests too, before the
 stream starts; counted in ``vtoken_rejected_requests_total``) while the server keeps serving; 20 concurrent requests all complete with the output they get alone; a client that
-disconnects mid-stream gives its blocks back; refused configurations exit 2 at once; and a second server at
-the default dtype (bf16) serving a long prompt with eviction.
+disconnects mid-stream gives its blocks back; refused configurations exit 2 at once; a second server at
+the default dtype (bf16) serving a long prompt with eviction; and a third serving a policy with unequal
+budgets (AdaKV, per-row pages) to concurrent clients.
 """
 
 from __future__ import annotations
@@ -250,3 +251,34 @@ def test_default_dtype_serves_a_long_prompt_with_eviction(tmp_path: Path) -> Non
         assert _post(srv.base + "/v1/completions", {"model": srv.model, "prompt": "hi", "max_tokens": -3})[0] == 400
         r = c.completions.create(model=srv.model, prompt=_prompt(50, 1), max_tokens=8, temperature=0)
         assert r.usage.completion_tokens == 8
+
+
+def test_a_policy_with_unequal_budgets_serves_over_http(tmp_path: Path) -> None:
+    """``vtoken-cli serve MODEL --policy ada_snapkv`` as a user starts it (vLLM's auto dtype: bf16, the engine's own
+    KV layout): AdaKV's rows go to per-row pages after the prompt (issue 39). Four concurrent completions with the
+    ``openai`` client, one asking for uniform allocation and one opted out over ``vllm_xargs``: all complete,
+    three evict (the opted-out one does not), blocks are freed to vLLM's pool, and once they are done the KV
+    cache is empty again; a bad ``vtoken_allocation`` is a 400 naming the key."""
+    with running_server(tmp_path / "server.log", ["--policy", "ada_snapkv", "--eviction-ratio", "0.5",
+                                                   "--max-model-len", "2048", "--enforce-eager"]) as srv:
+        c = srv.client()
+        extras = [None, None, {"vtoken_allocation": "uniform"}, {"vtoken_enabled": False}]
+
+        def one(i: int) -> object:
+            kw = {"extra_body": {"vllm_xargs": extras[i]}} if extras[i] else {}
+            return c.completions.create(model=srv.model, prompt=_prompt(600, i), max_tokens=16, temperature=0, **kw)
+
+        with ThreadPoolExecutor(4) as ex:
+            outs = list(ex.map(one, range(4)))
+        assert all(o.usage.completion_tokens == 16 and o.choices[0].text for o in outs)
+        assert srv.metric("vtoken_evictions_total") == 3
+        assert srv.metric("vtoken_tokens_evicted_total") > 3 * 30 * 3 * 200  # rows x heads x tokens, roughly half
+        assert srv.metric("vtoken_blocks_freed_total") > 0
+        assert srv.metric("vtoken_policy_failures_total") == 0
+        deadline = time.monotonic() + 30
+        while srv.metric("vllm:kv_cache_usage_perc") > 0 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert srv.metric("vllm:kv_cache_usage_perc") == 0
+        code, body = _post(srv.base + "/v1/completions", {"model": srv.model, "prompt": "hi", "max_tokens": 4,
+                                                          "vllm_xargs": {"vtoken_allocation": "adaptive"}})
+        assert code == 400 and "vtoken_allocation" in body["error"]["message"]
