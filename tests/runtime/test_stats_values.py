@@ -190,7 +190,7 @@ def _run_vllm_path(schedule: Sequence[dict[str, int]], prompt_len: dict[str, int
                         max_requests=8)
     col = StatsCollector(cache, STORED_STATS, vt.StatsConfig(obs_window=OBS, history_window=HIST,
                                                              low_attn_threshold=THR), G)
-    runner = SimpleNamespace(_vt_collector=col, _vt_step=None)
+    runner = SimpleNamespace(_vt_collector=col, _vt_step=None, _vt_rowstep=None)  # no request in per-row pages
     impls = [VTokenAttentionImpl(_PagedImpl(cache, layer, scale), runner, layer) for layer in range(L)]
     steps: dict[str, list[list[int]]] = {r: [] for r in prompt_len}
     got: dict[str, list[dict[str, torch.Tensor]]] = {r: [] for r in prompt_len}
