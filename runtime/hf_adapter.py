@@ -358,14 +358,8 @@ class HFSession:
         c = self.cache
         pos, phys = c.live_slots(req_id)  # [R, n]: positions and uniform physical slots (fenced)
         km = np.asarray(keep, dtype=bool)
-        if km.shape != pos.shape:
-            raise ValueError(f"keep mask shape {km.shape} != (R, n_live) = {pos.shape}")
-        bs = self.block_size
-        kept = [p[k] for p, k in zip(pos, km, strict=True)]
-        src = [self.rows.table.row_page_slots(ph[k] // bs, ph[k] % bs, np.full(int(k.sum()), r))
-               for r, (ph, k) in enumerate(zip(phys, km, strict=True))]
-        self.rows.adopt(req_id, c.pinned_positions(req_id), kept, src, list(c.table.get(req_id).blocks),
-                        c.logical_len(req_id))
+        self.rows.adopt_uniform(req_id, c.pinned_positions(req_id), pos, phys, km, list(c.table.get(req_id).blocks),
+                                c.logical_len(req_id))
         c.release(req_id)  # its blocks are the row cache's now (the surplus already back in the pool)
         for f in self.followers.values():
             f.free(req_id)

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from .block_pool import BlockPool
-from .page_table import PageTable, RowPlan
+from .page_table import PageTable, RowPlan, cdiv
 
 ReqId = Hashable
 
@@ -68,6 +68,27 @@ class RowStore(ABC):
         self._move(np.concatenate([np.asarray(s, np.int64) for s in src_slots]), np.concatenate(dst))
         self.pool.free(surplus)
         return len(surplus)
+
+    def blocks_for(self, keep: np.ndarray) -> int:
+        """Blocks the rows of a keep mask ``[R, n]`` need once laid out in pages."""
+        per_row = -(-np.asarray(keep, bool).sum(axis=1) // self.block_size)
+        return cdiv(int(per_row.sum()), self.table.pages_per_block)
+
+    def adopt_uniform(self, req_id: ReqId, pinned: np.ndarray, positions: np.ndarray, physical: np.ndarray,
+                      keep: np.ndarray, blocks: list[int], logical_len: int, hold: int = 0) -> int:
+        """The handoff from a uniform token table: row ``r`` keeps ``positions[r][keep[r]]``, now at uniform
+        slots ``physical[r][keep[r]]`` (``block * bs + offset`` of the request's own ``blocks``, in its list
+        order); ``hold``: blocks to keep at least (the count tensor-parallel ranks agreed on). Returns the
+        blocks freed (back in the pool). ValueError, nothing changed, for a mask of another shape than
+        ``positions`` (``[R, n_live]``), one that drops a pin, or a full table."""
+        keep = np.asarray(keep, dtype=bool)
+        if keep.shape != np.shape(positions):
+            raise ValueError(f"keep mask shape {keep.shape} != (R, n_live) = {np.shape(positions)}")
+        bs = self.block_size
+        kept = [p[k] for p, k in zip(positions, keep, strict=True)]
+        src = [self.table.row_page_slots(ph[k] // bs, ph[k] % bs, np.full(int(k.sum()), r))
+               for r, (ph, k) in enumerate(zip(physical, keep, strict=True))]
+        return self.adopt(req_id, pinned, kept, src, blocks, logical_len, hold=hold)
 
     def fork(self, src: ReqId, dst: ReqId) -> bool:
         """Add ``dst`` as a copy of ``src`` (rows, positions, K/V) in newly allocated blocks; False (nothing

@@ -88,24 +88,6 @@ class VllmRowCache(RowStore):
     def _move(self, src: np.ndarray, dst: np.ndarray) -> None:
         ra.move_tokens(self.kv_caches, src, dst, self.kmap, self.vmap)
 
-    def blocks_for(self, keep: np.ndarray) -> int:
-        """Blocks the rows of a keep mask ``[R, n]`` need once laid out in pages."""
-        per_row = -(-np.asarray(keep, bool).sum(axis=1) // self.block_size)
-        return cdiv(int(per_row.sum()), self.table.pages_per_block)
-
-    def adopt_uniform(self, req_id: ReqId, pinned: np.ndarray, positions: np.ndarray, physical: np.ndarray,
-                      keep: np.ndarray, blocks: list[int], logical_len: int, hold: int = 0) -> int:
-        """The handoff from the uniform token table: row ``r`` keeps ``positions[r][keep[r]]``, now at uniform
-        slots ``physical[r][keep[r]]`` (``block * bs + offset`` of the request's own ``blocks``, in its vLLM list
-        order); ``hold``: blocks to keep at least (the count tensor-parallel ranks agreed on). Returns the
-        blocks freed (the list's tail, freed in the pool; the scheduler frees them on the report).
-        ValueError, nothing changed, for a mask that drops a pin or a full table."""
-        bs = self.block_size
-        kept = [p[k] for p, k in zip(positions, keep, strict=True)]
-        src = [self.table.row_page_slots(ph[k] // bs, ph[k] % bs, np.full(int(k.sum()), r))
-               for r, (ph, k) in enumerate(zip(physical, keep, strict=True))]
-        return self.adopt(req_id, pinned, kept, src, blocks, logical_len, hold=hold)
-
     def reserve_fed(self, req_id: ReqId, n: int) -> np.ndarray:
         """Page slots ``[R, n]`` for the next ``n`` tokens of every row, taking *every* block the pool was fed
         (vLLM's new blocks for this request: what this rank's rows need, or one more that another

@@ -299,8 +299,6 @@ class VTokenRunnerMixin:
         cache, rows = self._vt_cache, self._vt_rows
         pos, phys = cache.live_slots(req_id)  # [R, n]: positions and uniform slots (fenced)
         km = np.asarray(keep, dtype=bool)
-        if km.shape != pos.shape:
-            raise ValueError(f"keep mask shape {km.shape} != (R, n_live) = {pos.shape}")
         col = self._vt_driver.collective
         hold = col.max([rows.blocks_for(km)])[0] if col is not None else 0  # TP: every rank holds vLLM's one list
         rows.adopt_uniform(req_id, cache.pinned_positions(req_id), pos, phys, km, list(cache.table.get(req_id).blocks),
