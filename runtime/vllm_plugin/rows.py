@@ -55,7 +55,6 @@ class RowStep:
     pages: ra.Pages
     batches: list[ra.RowBatch]  # [L]
     isa: str
-    row_requests: int
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """The step's new ``key`` / ``value`` ``[T, H, D]`` of ``layer`` into their rows' pages."""
@@ -146,7 +145,7 @@ class VllmRowCache(RowStore):
         q = np.asarray(query_lens, np.int64)[:b_n]
         batches = [ra.build_row_batch(q, lens[:, layer], pages[:, layer].reshape(b_n * H, width), bs)
                    for layer in range(L)]
-        return RowStep(self.pages, batches, isa, int(row_i.size))
+        return RowStep(self.pages, batches, isa)
 
 
 __all__ = ["RowStep", "VllmRowCache"]
