@@ -25,8 +25,9 @@ and the exit code is 3.  ``--dump-ids IDS.json`` writes ``{key: {"context_ids", 
 ``preprocess`` gives them, without comparing, and exits 0 without running any method.
 
 Output: one JSON line per (sample, method, ratio), appended and flushed at once:
-``{"key", "method", "ratio", "answer", "seconds"}`` (``seconds``: wall time of ``_forward``).  Method
-``none`` (the full cache) runs once, ratio 0.0.  Configurations already in ``OUT.jsonl`` are skipped
+``{"key", "sha", "method", "ratio", "answer", "seconds"}`` (``sha``: the sample's ``sha`` as given, the
+fingerprint of its token ids; ``seconds``: wall time of ``_forward``).  Method ``none`` (the full cache)
+runs once, ratio 0.0.  Configurations already in ``OUT.jsonl`` for the same key and ``sha`` are skipped
 (resumable).  A configuration that raises is reported on stderr, the others still run, and the exit
 code is then 4.  ``--list`` prints ``{"methods": [...], "unavailable": {name: why}}``.
 
@@ -266,13 +267,15 @@ def first_mismatch(key: str, ours: tuple[list[int], list[int]], sample: dict) ->
     return None
 
 
-def done_configs(out: Path) -> set[tuple[str, str, float]]:
-    done: set[tuple[str, str, float]] = set()
+def done_configs(out: Path) -> set[tuple[str, str | None, str, float]]:
+    """``(key, sha, method, ratio)`` of every answer already in ``out`` (``sha``: the sample's token ids'
+    fingerprint, so an answer for other ids under the same key is not taken as done)."""
+    done: set[tuple[str, str | None, str, float]] = set()
     if out.exists():
         for line in out.read_text().splitlines():
             try:
                 d = json.loads(line)
-                done.add((d["key"], d["method"], round(float(d["ratio"]), 6)))
+                done.add((d["key"], d.get("sha"), d["method"], round(float(d["ratio"]), 6)))
             except (ValueError, KeyError, TypeError):
                 continue  # a torn last line from an interrupted run
     return done
@@ -343,7 +346,7 @@ def main(argv=None) -> int:
             n_ctx, n_q = inp["context_ids"].shape[1], inp["questions_ids"][0].shape[1]
             for method in methods:
                 todo = [r for r in ([0.0] if method == "none" else ratios)
-                        if (key, method, round(r, 6)) not in done]
+                        if (key, s.get("sha"), method, round(r, 6)) not in done]
                 if not todo:
                     print(f"[{si + 1}/{len(samples)}] {key} {method}: done already", flush=True)
                     continue
@@ -359,7 +362,8 @@ def main(argv=None) -> int:
                         parts.append(f"r={r}: FAILED")
                         continue
                     dt = time.perf_counter() - t0
-                    out.write(json.dumps({"key": key, "method": method, "ratio": r, "answer": answer,
+                    out.write(json.dumps({"key": key, "sha": s.get("sha"), "method": method, "ratio": r,
+                                          "answer": answer,
                                           "seconds": round(dt, 3)}) + "\n")
                     out.flush()
                     parts.append(f"r={r}: {dt:.1f}s {answer.strip()[:60]!r}")

@@ -32,6 +32,7 @@ samples whose answers are the same text.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -107,6 +108,32 @@ def sample_key(s: RulerSample) -> str:
     return f"{s.task}/{s.index}"
 
 
+def ids_sha(context: Sequence[int], question: Sequence[int]) -> str:
+    """A sample's fingerprint: its token ids.  A stored answer is reused (``resume``) only for the sample
+    whose ids it was computed on, so answers of another seed, context length or tokenizer never mix in."""
+    return hashlib.sha1(json.dumps([list(context), list(question)]).encode()).hexdigest()[:16]
+
+
+def read_answers(path: Path, shas: dict[str, str]) -> dict[tuple[str, str, float], str]:
+    """``{(sample key, method, ratio): answer}`` from a JSON-lines answer file, only lines whose ``sha``
+    is that of the current sample with their key (:func:`ids_sha`); method ``none`` is :data:`FULL`.
+    A torn last line (an interrupted run) is skipped."""
+    out: dict[tuple[str, str, float], str] = {}
+    if not path.exists():
+        return out
+    for line in path.read_text().splitlines():
+        try:
+            d = json.loads(line)
+            key, method, ratio, answer = d["key"], d["method"], float(d["ratio"]), d["answer"]
+        except (ValueError, KeyError, TypeError):
+            continue
+        if shas.get(key) is None or d.get("sha") != shas[key]:
+            continue
+        method = FULL if method == "none" else method
+        out[(key, method, 0.0 if method == FULL else round(ratio, 6))] = answer
+    return out
+
+
 # --------------------------------------------------------------------------- vtoken engine
 
 
@@ -142,11 +169,12 @@ def start_kvpress(samples: Sequence[RulerSample], ids: Sequence[tuple[list[int],
                   methods: Sequence[str], ratios: Sequence[float], work: Path, model_dir: Path
                   ) -> subprocess.Popen[bytes]:
     """Start the peer (kvpress's pipeline) on every sample in the background; answers go to
-    ``work/kvpress.jsonl`` (resumable), its output to ``work/kvpress.log``."""
+    ``work/kvpress.jsonl`` (appended: configurations already there for the same sample ids are skipped),
+    its output to ``work/kvpress.log`` (appended)."""
     if not PEER_PY.exists():
         raise FileNotFoundError(f"{PEER_PY} missing: run `make kvpress` (scripts/setup_kvpress.sh) first")
     work.mkdir(parents=True, exist_ok=True)
-    spec = [{"key": sample_key(s), "context": s.context, "question": s.question, "answer_prefix": s.answer_prefix,
+    spec = [{"key": sample_key(s), "sha": ids_sha(c, q), "context": s.context, "question": s.question, "answer_prefix": s.answer_prefix,
              "max_new_tokens": s.max_new_tokens, "context_ids": c, "question_ids": q}
             for s, (c, q) in zip(samples, ids, strict=True)]
     (work / "kvpress_samples.json").write_text(json.dumps(spec))
@@ -155,7 +183,7 @@ def start_kvpress(samples: Sequence[RulerSample], ids: Sequence[tuple[list[int],
            "--methods", ",".join(["none", *methods]), "--ratios", ",".join(str(r) for r in ratios), "--threads", "1"]
     env = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "PATH": "/usr/bin:/bin", "HOME": os.environ.get("HOME", "/root")}
-    log = (work / "kvpress.log").open("wb")
+    log = (work / "kvpress.log").open("ab")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
 
 
@@ -171,20 +199,16 @@ def _die_with_parent() -> None:
         pass
 
 
-def finish_kvpress(proc: subprocess.Popen[bytes], work: Path) -> dict[tuple[str, str, float], str]:
-    """Wait for the peer; ``{(sample key, method, ratio): answer}`` (method ``none`` renamed :data:`FULL`)."""
+def finish_kvpress(proc: subprocess.Popen[bytes], work: Path, shas: dict[str, str]
+                   ) -> dict[tuple[str, str, float], str]:
+    """Wait for the peer; ``{(sample key, method, ratio): answer}`` of the current samples
+    (:func:`read_answers`)."""
     rc = proc.wait()
     if rc != 0:
         tail = (work / "kvpress.log").read_text(errors="replace")[-3000:]
         what = "its preprocessing gave other token ids than ours" if rc == 3 else f"exit code {rc}"
         raise RuntimeError(f"kvpress peer failed ({what}); log {work / 'kvpress.log'}:\n{tail}")
-    out: dict[tuple[str, str, float], str] = {}
-    for line in (work / "kvpress.jsonl").read_text().splitlines():
-        if line.strip():
-            d = json.loads(line)
-            method = FULL if d["method"] == "none" else d["method"]
-            out[(d["key"], method, 0.0 if method == FULL else float(d["ratio"]))] = d["answer"]
-    return out
+    return read_answers(work / "kvpress.jsonl", shas)
 
 
 # --------------------------------------------------------------------------- scoring and report
@@ -282,10 +306,15 @@ def run_ruler_eval(*, context_tokens: int = CONTEXT_TOKENS, samples_per_task: in
                    tasks: Sequence[str] = RULER_TASKS, policies: Sequence[str] = ALL_POLICIES,
                    presses: Sequence[str] = KVPRESS_METHODS, ratios: Sequence[float] = RATIOS,
                    engines: Sequence[str] = ("vtoken", "kvpress"), seed: int = DEFAULT_SEED, max_configs: int = 8,
-                   work_dir: Path = Path("results/ruler"),
+                   work_dir: Path = Path("results/ruler"), resume: bool = False,
                    log: Callable[[str], None] = lambda m: print(m, file=sys.stderr)) -> dict[str, Any]:
     """Generate, answer (both engines, side by side) and score; the JSON report (see the issue's schema:
-    ``config`` and ``rows``; plus ``agreement``, ``answers`` and ``seconds``)."""
+    ``config`` and ``rows``; plus ``agreement``, ``answers`` and ``seconds``).
+
+    Answers go to ``work_dir/vtoken.jsonl`` and ``work_dir/kvpress.jsonl`` as they come (one sample at a
+    time).  A fresh run empties both; ``resume=True`` keeps them and computes only the (sample, method,
+    ratio) configurations missing for the current samples' token ids (:func:`ids_sha`), so a run of hours
+    can be stopped and continued, or widened by ratios, tasks or methods without redoing what is stored."""
     from vtoken_bench.experiments import load_named_policy, setup_torch
     from vtoken_bench.models import load_smollm2, smollm2_path
 
@@ -304,31 +333,51 @@ def run_ruler_eval(*, context_tokens: int = CONTEXT_TOKENS, samples_per_task: in
                              out_dir=work_dir / f"data_{context_tokens}_{seed}")
     model, tok = load_smollm2()
     ids = [prompt_ids(tok, s) for s in samples]
+    shas = {sample_key(s): ids_sha(c, q) for s, (c, q) in zip(samples, ids, strict=True)}
+    configs = _configs(policies, ratios)
+    press_configs = {(FULL, 0.0)} | {(m, round(r, 6)) for m in presses for r in ratios}
     answers: dict[tuple[str, str, str, float], str] = {}
+    vt_file, kv_file = work_dir / "vtoken.jsonl", work_dir / "kvpress.jsonl"
+    work_dir.mkdir(parents=True, exist_ok=True)
+    if not resume:
+        for f in (vt_file, kv_file):
+            f.unlink(missing_ok=True)  # answers of another run must not mix in
+    stored = read_answers(vt_file, shas)
+    if resume:
+        log(f"resume: {len(stored)} vtoken answer(s) in {vt_file} are for these samples; "
+            f"{len(read_answers(kv_file, shas))} kvpress answer(s) in {kv_file}")
     peer = None
     if "kvpress" in engines:
-        jl = work_dir / "kvpress.jsonl"
-        if jl.exists():
-            jl.unlink()  # answers of another run must not mix in
         peer = start_kvpress(samples, ids, presses, ratios, work_dir, smollm2_path())
         log(f"kvpress peer started (pid {peer.pid}), log {work_dir / 'kvpress.log'}")
     try:
         if "vtoken" in engines:
             eos = model.generation_config.eos_token_id
             eos_ids = eos if isinstance(eos, list) else [eos]
-            configs = _configs(policies, ratios)
             for i, (s, (c, q)) in enumerate(zip(samples, ids, strict=True)):
+                key = sample_key(s)
+                todo = [cfg for cfg in configs if (key, cfg[0], round(cfg[1], 6)) not in stored]
+                for m, r in configs:
+                    if (key, m, round(r, 6)) in stored:
+                        answers[("vtoken", key, m, r)] = stored[(key, m, round(r, 6))]
+                if not todo:
+                    log(f"vtoken {i + 1}/{len(samples)} {key}: {len(configs)} configs done already")
+                    continue
                 ts = time.perf_counter()
-                got = run_vtoken_sample(model, tok, c, q, s.max_new_tokens, configs, max_configs=max_configs,
+                got = run_vtoken_sample(model, tok, c, q, s.max_new_tokens, todo, max_configs=max_configs,
                                         eos_ids=eos_ids)
-                for (m, r), a in got.items():
-                    answers[("vtoken", sample_key(s), m, r)] = a
-                log(f"vtoken {i + 1}/{len(samples)} {sample_key(s)} ({len(c)}+{len(q)} tokens, {len(configs)} "
-                    f"configs): {time.perf_counter() - ts:.1f} s")
+                with vt_file.open("a") as f:  # one sample's answers at a time: an interrupted run resumes here
+                    for (m, r), a in got.items():
+                        answers[("vtoken", key, m, r)] = a
+                        f.write(json.dumps({"key": key, "sha": shas[key], "method": m, "ratio": r,
+                                            "answer": a}) + "\n")
+                log(f"vtoken {i + 1}/{len(samples)} {key} ({len(c)}+{len(q)} tokens, {len(todo)} of "
+                    f"{len(configs)} configs): {time.perf_counter() - ts:.1f} s")
         if peer is not None:
             log("waiting for the kvpress peer ...")
-            for (k, m, r), a in finish_kvpress(peer, work_dir).items():
-                answers[("kvpress", k, m, r)] = a
+            for (k, m, r), a in finish_kvpress(peer, work_dir, shas).items():
+                if (m, round(r, 6)) in press_configs:
+                    answers[("kvpress", k, m, r)] = a
             peer = None
     finally:
         if peer is not None:

@@ -51,6 +51,11 @@ def eval_ruler(
     max_configs: Annotated[int, typer.Option(min=1, help="configurations forked and decoded as one batch")] = 8,
     work_dir: Annotated[Path, typer.Option(help="generated data, the kvpress peer's answers and log")
                         ] = Path("results/ruler"),
+    resume: Annotated[bool, typer.Option("--resume", help="keep the answers already in --work-dir "
+                                                          "(vtoken.jsonl, kvpress.jsonl) for these samples' token "
+                                                          "ids and compute only the missing ones: continue an "
+                                                          "interrupted run, or widen one by ratios, tasks or "
+                                                          "methods")] = False,
     plot: Annotated[Path | None, typer.Option(help="PNG: score vs ratio per method")] = None,
     as_json: Annotated[Path | None, typer.Option("--json", help="write the JSON report here")] = None,
 ) -> None:
@@ -85,7 +90,8 @@ def eval_ruler(
             _ensure_kvpress()
         result = run_ruler_eval(context_tokens=context_tokens, samples_per_task=n, tasks=tsk, policies=pol,
                                 presses=prs, ratios=rts, engines=eng, seed=seed, max_configs=max_configs,
-                                work_dir=work_dir, log=lambda m: err.print(m, markup=False, highlight=False))
+                                work_dir=work_dir, resume=resume,
+                                log=lambda m: err.print(m, markup=False, highlight=False))
     except (ValueError, FileNotFoundError, RuntimeError, subprocess.CalledProcessError) as e:
         err.print(f"eval ruler: {e}", markup=False, highlight=False)
         raise typer.Exit(1) from None

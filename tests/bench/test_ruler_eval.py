@@ -22,9 +22,11 @@ from vtoken_bench.ruler_eval import (
     FULL,
     PEER_SCRIPT,
     agreement,
+    ids_sha,
     mean_table,
     plot_ruler,
     prompt_ids,
+    read_answers,
     score_rows,
 )
 from vtoken_bench.ruler_tasks import RulerSample
@@ -73,6 +75,23 @@ def test_agreement_counts_identical_texts_and_names_the_rest() -> None:
     (a,) = agreement(ans)
     assert (a["method"], a["ratio"], a["samples"], a["identical"], a["differ"]) == (
         "snapkv", 0.5, 3, 2, ["niah_single_1/1"])
+
+
+def test_read_answers_keeps_only_lines_for_the_current_sample_ids(tmp_path: Path) -> None:
+    """``--resume`` reuses an answer only for the token ids it was computed on: a line of another seed or
+    context length under the same key, a line without a fingerprint and a torn last line are left out;
+    kvpress's method ``none`` is the full cache at ratio 0."""
+    sha = ids_sha([1, 2, 3], [4])
+    assert sha == ids_sha([1, 2, 3], [4]) and sha != ids_sha([1, 2], [3, 4]) and sha != ids_sha([1, 2, 3], [5])
+    f = tmp_path / "a.jsonl"
+    lines = [{"key": "qa_1/0", "sha": sha, "method": "none", "ratio": 0.0, "answer": "full"},
+             {"key": "qa_1/0", "sha": sha, "method": "snapkv", "ratio": 0.5000000001, "answer": "s"},
+             {"key": "qa_1/0", "sha": "0" * 16, "method": "knorm", "ratio": 0.5, "answer": "other ids"},
+             {"key": "qa_1/0", "method": "tova", "ratio": 0.5, "answer": "no fingerprint"},
+             {"key": "qa_1/1", "sha": sha, "method": "knorm", "ratio": 0.5, "answer": "not a current sample"}]
+    f.write_text("".join(json.dumps(d) + "\n" for d in lines) + '{"key": "qa_1/0", "sha": "')
+    assert read_answers(f, {"qa_1/0": sha}) == {("qa_1/0", FULL, 0.0): "full", ("qa_1/0", "snapkv", 0.5): "s"}
+    assert read_answers(tmp_path / "missing.jsonl", {"qa_1/0": sha}) == {}
 
 
 def test_mean_table_and_plot(tmp_path: Path) -> None:
@@ -194,3 +213,24 @@ def test_cli_both_engines_same_answers_on_shared_methods(tmp_path: Path) -> None
     assert full["niah_single_1"] == 100.0  # the full cache finds the needle at 2K
     assert "same answer text, vtoken vs kvpress, snapkv@0.5: 2/2" in res.stdout
     assert (tmp_path / "r.png").stat().st_size > 10_000
+
+    # --resume widens the run by a ratio: only the new configurations are computed (one line each per
+    # engine and sample), the stored answers come back unchanged, and the agreement holds at the new ratio.
+    work = tmp_path / "w"
+    before = {e: (work / f"{e}.jsonl").read_text().splitlines() for e in ("vtoken", "kvpress")}
+    assert [len(v) for v in before.values()] == [6, 6]  # 2 samples x (full, knorm, snapkv)
+    res = subprocess.run([str(cli), "eval", "ruler", "--tasks", "niah_single_1,qa_1", "--samples", "1",
+                          "--policies", "knorm,snapkv", "--presses", "knorm,snapkv", "--ratios", "0.5,0.75",
+                          "--work-dir", str(work), "--json", str(out), "--resume"],
+                         capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "resume: 6 vtoken answer(s)" in res.stderr and "6 kvpress answer(s)" in res.stderr
+    for e, old in before.items():
+        now = (work / f"{e}.jsonl").read_text().splitlines()
+        assert now[:6] == old
+        assert sorted((json.loads(x)["method"], json.loads(x)["ratio"]) for x in now[6:]) == \
+            [("knorm", 0.75), ("knorm", 0.75), ("snapkv", 0.75), ("snapkv", 0.75)]
+    d2 = json.loads(out.read_text())
+    assert [r for r in d2["rows"] if r["ratio"] != 0.75] == d["rows"]
+    agree = {(a["method"], a["ratio"]): a for a in d2["agreement"]}
+    assert agree[("snapkv", 0.75)]["identical"] == agree[("knorm", 0.75)]["identical"] == 2
