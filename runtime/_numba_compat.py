@@ -29,12 +29,16 @@ def make_llvmlite_scan_safe() -> bool:
     ``__getattr__`` looks names up in its function table (``_fntab``) and then wraps the ctypes library's
     attribute, so ``vars(lib)`` returns a ``_lib_fn_wrapper`` and ``.get`` raises AttributeError (the
     whole engine start fails). Seeding the table with ``"__dict__": {}`` makes ``vars(lib)`` an empty
-    dict; llvmlite never reads ``lib.__dict__`` itself. Idempotent; returns False when llvmlite is not
-    imported or has another shape (nothing to do)."""
-    import sys
-
-    ffi = sys.modules.get("llvmlite.binding.ffi")
-    lib = getattr(ffi, "lib", None) if ffi is not None else None
+    dict; llvmlite never reads ``lib.__dict__`` itself. ``llvmlite.binding.ffi`` is imported here if it is not
+    yet: numba imports it lazily, at its first compilation, so a check of ``sys.modules`` right after
+    ``import numba`` found nothing and the object appeared unseeded later (an engine built after another
+    vToken engine in the same process then failed to start: ``vtoken-cli bench prefix``). Idempotent;
+    returns False when llvmlite is missing or has another shape (nothing to do)."""
+    try:
+        import llvmlite.binding.ffi as ffi
+    except Exception:  # llvmlite missing or broken: numba cannot run either
+        return False
+    lib = getattr(ffi, "lib", None)
     table = getattr(lib, "_fntab", None) if lib is not None else None
     if not isinstance(table, dict):
         return False
