@@ -101,10 +101,6 @@ def _instrument(llm: Any) -> None:
 
 def build_engine(model_dir: str, cfg: ServeConfig, plugin: dict[str, Any] | None, max_num_seqs: int) -> Any:
     set_env()
-    from vllm import LLM
-
-    from vtoken_runtime.vllm_plugin import vllm_engine_args
-
     assert cfg.kv_blocks is not None and cfg.max_model_len is not None
     args: dict[str, Any] = dict(model=model_dir, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
                                 block_size=cfg.block_size, enforce_eager=True, seed=0,
@@ -113,8 +109,18 @@ def build_engine(model_dir: str, cfg: ServeConfig, plugin: dict[str, Any] | None
                                 enable_chunked_prefill=True,
                                 max_num_batched_tokens=max(cfg.step_tokens or cfg.chunk_tokens, cfg.chunk_tokens),
                                 long_prefill_token_threshold=cfg.chunk_tokens)
+    return start_engine(args, plugin)
+
+
+def start_engine(args: dict[str, Any], plugin: dict[str, Any] | None) -> Any:
+    """An in-process ``LLM(**args)``, with vToken's engine arguments merged in for ``plugin`` (None: vanilla
+    vLLM), instrumented for the benchmark (:class:`Probe`)."""
+    from vllm import LLM
+
+    from vtoken_runtime.vllm_plugin import vllm_engine_args
+
     if plugin is not None:
-        args.update(vllm_engine_args(**plugin))
+        args = {**args, **vllm_engine_args(**plugin)}
     llm = LLM(**args)
     _instrument(llm)
     return llm

@@ -17,11 +17,13 @@ from rich.table import Table
 
 from vtoken_bench import ALL_POLICIES
 
+from .bench_prefix_cmd import bench_prefix
 from .bench_serve_cmd import bench_serve
 from .bench_soak_cmd import bench_soak
 
-bench_app = typer.Typer(no_args_is_help=True, help="benchmarks: masks, blocks, serve, soak")
+bench_app = typer.Typer(no_args_is_help=True, help="benchmarks: masks, blocks, serve, prefix, soak")
 bench_app.command("serve")(bench_serve)
+bench_app.command("prefix")(bench_prefix)
 bench_app.command("soak")(bench_soak)
 out = Console(width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True)

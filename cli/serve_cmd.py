@@ -50,7 +50,6 @@ PROMETHEUS_PREFIX = "vtoken-prometheus-"  # + the server's pid, under the tempor
 
 # flags the plugin sets or cannot run with: (flag, why)
 REFUSED = {
-    "--enable-prefix-caching": "prefix caching is not supported with token eviction",
     "--async-scheduling": "async scheduling is not supported (the scheduler needs each step's report)",
     "--scheduler-cls": "the plugin sets --scheduler-cls itself",
     "--worker-cls": "the plugin sets --worker-cls itself",

@@ -62,6 +62,7 @@ class TrackedRequest:
     # (logical_len, kept positions [R, n]; a list of R arrays for a request handed to per-row pages)
     keep_log: list[tuple[int, np.ndarray | list[np.ndarray]]] = field(default_factory=list)
     in_rows: bool = False  # handed to per-row pages (unequal budgets): evicts no more
+    frozen: int = 0  # the first `frozen` positions are a frozen prefix (prefix caching): pinned
 
     @property
     def evicts(self) -> bool:
@@ -173,6 +174,21 @@ class EvictionDriver:
 
     def remove(self, req_id: ReqId) -> None:
         self.requests.pop(req_id, None)
+
+    def freeze_prefix(self, req_id: ReqId, tokens: int) -> bool:
+        """Freeze the request's first ``tokens`` positions (vLLM's prefix cache holds them, or may: see
+        ``vllm_plugin.prefix``): pinned in the cache and its followers (never evicted; compaction never moves a
+        token below the first hole, so never moved either). The budget is unchanged: it counts them, as it
+        counts every pin. Monotone: a smaller ``tokens`` changes nothing. Returns whether the prefix grew.
+        ValueError (nothing changed) if a position in it is already evicted."""
+        t = self.requests[req_id]
+        if tokens <= t.frozen:
+            return False
+        pins = np.union1d(self.cache.pinned_positions(req_id), np.arange(tokens, dtype=np.int64))
+        for c in (self.cache, *self.followers):
+            c.set_pins(req_id, pins)
+        t.frozen = int(tokens)
+        return True
 
     # ------------------------------------------------------------------ the step
     def step(self, req_ids: Sequence[ReqId], phases: str | Mapping[ReqId, str]) -> StepReport:
@@ -386,6 +402,9 @@ class EvictionDriver:
             vectors.update(self.queries.summaries(rs, q_names, seq, policy.spec.stats.obs_window,
                                                   policy.spec.stats.future_window, (l0, l1)))
         col = self.collective
+        head_offset = 0  # the batch's heads are the layer's heads from here on (s.head, s.random)
+        if col is not None and policy.granularity == "head" and policy.spec.uniform:
+            head_offset = col.rank * cache.num_kv_heads  # this rank's own heads
         if col is not None and (policy.granularity == "request" or not policy.spec.uniform):  # every head, every rank
             stats = {k: col.gather_heads(v) for k, v in stats.items()}
             vectors = {k: col.gather_heads(v) for k, v in vectors.items()}
@@ -396,7 +415,7 @@ class EvictionDriver:
         budget = [self.requests[r].budget.resolve(s) for r, s in zip(rs, seq, strict=True)]  # type: ignore[union-attr]
         dev = cache.device
         batch = StatsBatch(stats={k: v.to(dev) for k, v in stats.items()}, lengths=_up(ns, dev), positions=_up(pos, dev),
-                           seq_lens=_up(seq, dev), pinned=_up(pinned, dev), budget=_up(budget, dev), layer_offset=l0,
+                           seq_lens=_up(seq, dev), pinned=_up(pinned, dev), budget=_up(budget, dev), layer_offset=l0, head_offset=head_offset,
                            vectors={k: v.to(dev) for k, v in vectors.items()},
                            head_dim=cache.head_size if "head_dim" in policy.reads else None, num_layers=L)
         return batch, ns

@@ -16,6 +16,8 @@ Layout (all on one device)::
         query_cov_future    [B, L, H, G, D, D]
     head_dim     int                   D when no vector is given (a policy reading only s.head_dim)
     layer_offset int                   model layer of row layer 0 (the runtime may pass layer chunks)
+    head_offset  int                   KV head of the layer of row head 0 (tensor parallelism: a rank's heads
+                                       are the layer's heads head_offset .. head_offset + H - 1)
     num_layers   int                   layers of the model (``s.num_layers``); None: layer_offset + L, the
                                        batch ends at the model's last layer
 
@@ -45,6 +47,7 @@ class StatsBatch:
     vectors: Mapping[str, Tensor] = field(default_factory=dict)
     head_dim: int | None = None
     num_layers: int | None = None
+    head_offset: int = 0
 
     def model_layers(self) -> int:
         """The model's layer count: ``num_layers``, or ``layer_offset + L`` when None.
@@ -114,6 +117,7 @@ class StatsBatch:
             vectors={k: v[ix] for k, v in self.vectors.items()},
             head_dim=self.head_dim,
             num_layers=self.num_layers,
+            head_offset=self.head_offset,
         )
 
     @staticmethod

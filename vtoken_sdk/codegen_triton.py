@@ -246,14 +246,14 @@ class _Emitter:
         elif node.name == "age":
             self.emit(f"{var} = (seq_len - 1 - {self.pos(ctx)}).to(tl.float32)")
         elif node.name == "random":
-            self.emit(f"{var} = _hash_uniform({_hash_seed(self.seed)}, {ctx.l} + layer_offset, {ctx.h}, "
+            self.emit(f"{var} = _hash_uniform({_hash_seed(self.seed)}, {ctx.l} + layer_offset, {ctx.h} + head_offset, "
                       f"{self.pos(ctx)})")
         elif node.name == "layer":
             self.emit(f"{var} = (tl.zeros([BLOCK], dtype=tl.int32) + ({ctx.l}) + layer_offset).to(tl.float32)")
         elif node.name == "num_layers":
             self.emit(f"{var} = (tl.zeros([BLOCK], dtype=tl.int32) + num_layers).to(tl.float32)")
         elif node.name == "head":
-            self.emit(f"{var} = (tl.zeros([BLOCK], dtype=tl.int32) + ({ctx.h})).to(tl.float32)")
+            self.emit(f"{var} = (tl.zeros([BLOCK], dtype=tl.int32) + ({ctx.h}) + head_offset).to(tl.float32)")
         elif node.name == "head_dim":
             self.emit(f"{var} = (tl.zeros([BLOCK], dtype=tl.int32) + D).to(tl.float32)")
         elif info is not None and info.kind == "vector":
@@ -610,7 +610,8 @@ def _store(w, depth: int, request: bool) -> None:  # type: ignore[no-untyped-def
 def kernel_args(policy: Policy) -> tuple[tuple[str, str], ...]:
     """``(name, triton type)`` of the arguments every generated kernel takes after its own (in order):
     shapes, positions, pins, stored statistics, then - for policies using them - the head dimension and
-    query-group sizes, the model's layer count (``num_layers``), the vector statistics (``v_<name>_ptr``
+    query-group sizes, the model's layer count (``num_layers``), the first KV head's index in its layer
+    (``head_offset``, policies reading ``head`` or ``random``), the vector statistics (``v_<name>_ptr``
     and an int64 stride per dim of ``[B, L, H, *axes]``) and the row-value scratch
     (``rv_ptr [B, L*H, RV_K]``)."""
     args: list[tuple[str, str]] = [("N", "i32"), ("L", "i32"), ("H", "i32"), ("layer_offset", "i32"),
@@ -622,6 +623,8 @@ def kernel_args(policy: Policy) -> tuple[tuple[str, str], ...]:
         args += [("D", "i32"), ("G", "i32")]
     if "num_layers" in policy.reads:
         args += [("num_layers", "i32")]
+    if {"head", "random"} & set(policy.reads):
+        args += [("head_offset", "i32")]
     for n in sorted(policy.vector_reads):
         args += [(f"v_{n}_ptr", "*fp32"), (f"v_{n}_sb", "i64"), (f"v_{n}_sl", "i64"), (f"v_{n}_sh", "i64")]
         args += [(f"v_{n}_s{a.lower()}", "i64") for a in CATALOG[n].axes]

@@ -100,7 +100,8 @@ CATALOG: dict[str, StatInfo] = {
                  "[B, H, 1]: write depth rules as fractions of it, e.g. s.layer >= s.num_layers // 2",
                  source="index", axes=()),
         StatInfo("head", "derived",
-                 "index of the KV head within its layer (0..H-1), float32 [B, H, 1]", source="index", axes=()),
+                 "index of the KV head within its layer (0..H-1 over the model's KV heads, also under tensor "
+                 "parallelism: StatsBatch.head_offset + row head), float32 [B, H, 1]", source="index", axes=()),
         StatInfo("head_dim", "derived",
                  "D, the size of the key / value / query vectors, float32 [B, H, 1] (for 1/sqrt(D) scalings)",
                  source="index", axes=()),

@@ -72,7 +72,7 @@ def derived_stat(name: str, batch: StatsBatch, seed: int) -> Tensor:
     if name == "num_layers":
         return torch.full((1, 1, 1), float(batch.model_layers()), dtype=torch.float32, device=batch.device)
     if name == "head":
-        return torch.arange(h, device=batch.device).to(torch.float32).reshape(1, 1, h)
+        return (torch.arange(h, device=batch.device) + batch.head_offset).to(torch.float32).reshape(1, 1, h)
     if name == "head_dim":
         return torch.full((1, 1, 1), float(batch.dims()[0]), dtype=torch.float32, device=batch.device)
     pos = batch.positions.to(torch.int64)
@@ -82,7 +82,7 @@ def derived_stat(name: str, batch: StatsBatch, seed: int) -> Tensor:
         return (batch.seq_lens.to(torch.int64)[:, None, None, None] - 1 - pos).to(torch.float32)
     if name == "random":
         layer = (torch.arange(l_, device=batch.device) + batch.layer_offset)[None, :, None, None]
-        head = torch.arange(h, device=batch.device)[None, None, :, None]
+        head = (torch.arange(h, device=batch.device) + batch.head_offset)[None, None, :, None]
         return hash_uniform(seed, layer, head, pos.expand(b, l_, h, n))
     raise KeyError(name)
 

@@ -206,6 +206,8 @@ class TritonPolicy:
             args += [d, g]
         if "num_layers" in names:
             args.append(batch.model_layers())
+        if "head_offset" in names:
+            args.append(int(batch.head_offset))
         for name in gen.vectors:
             if name not in batch.vectors:
                 raise ValueError(f"batch lacks vector statistic {name!r} that policy {self.policy.name!r} reads; "

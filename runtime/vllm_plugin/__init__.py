@@ -75,7 +75,8 @@ def vllm_engine_args(policy: str | None = "none", mode: str = "compact", evictio
     every prefill chunk), ``slack`` its slack (evict once ``live > budget + slack``, or ``"block"``); ``device``: ``"cpu"`` | ``"cuda"`` picks the worker
     (default: CUDA when torch sees a GPU). ``extra`` is merged (e.g. ``additional_config``). On CUDA a
     policy that reads statistics gets PIECEWISE CUDA graphs unless ``compilation_config`` is given (the
-    GPU worker enforces it too; see ``gpu_worker``).
+    GPU worker enforces it too; see ``gpu_worker``). Prefix caching keeps vLLM's default (on) in the CPU
+    worker (the cached prefix is frozen, docs/decisions.md decision 9) and is switched off on CUDA.
     """
     cfg = PluginConfig(policy=policy, mode=mode, eviction_ratio=eviction_ratio, budget_tokens=budget_tokens,
                        policy_name=policy_name, debug=debug, when=when, slack=slack)
@@ -83,9 +84,9 @@ def vllm_engine_args(policy: str | None = "none", mode: str = "compact", evictio
     if device not in (None, "cpu", "cuda"):
         raise ValueError(f"vtoken: device {device!r}; expected 'cpu' or 'cuda'")
     cuda = _on_cuda() if device is None else device == "cuda"
-    if extra.get("enable_prefix_caching"):
-        raise ValueError("vtoken: prefix caching is not supported with token eviction (a shared block would be "
-                         "compacted under another request); leave enable_prefix_caching unset")
+    if cuda and extra.get("enable_prefix_caching"):
+        raise ValueError("vtoken: prefix caching with eviction runs in the CPU worker only (the GPU worker's "
+                         "frozen prefix is not verified); leave enable_prefix_caching unset on CUDA")
     if extra.get("async_scheduling"):
         raise ValueError("vtoken: async scheduling is not supported; leave async_scheduling unset")
     if int(extra.get("pipeline_parallel_size") or 1) > 1:
@@ -95,7 +96,6 @@ def vllm_engine_args(policy: str | None = "none", mode: str = "compact", evictio
     additional["vtoken"] = cfg.to_dict()
     procs = [p for p in (extra.pop("logits_processors", None) or []) if p != FRONTEND_CLS]
     args = {"scheduler_cls": SCHEDULER_CLS, "worker_cls": GPU_WORKER_CLS if cuda else WORKER_CLS,
-            "enable_prefix_caching": False,
             "async_scheduling": False, "additional_config": additional,
             "logits_processors": [FRONTEND_CLS, *procs]}  # validates per-request options at admission
     from vtoken_sdk.stats import ATTENTION_STATS, KV_STATS, QUERY_STATS
@@ -103,7 +103,15 @@ def vllm_engine_args(policy: str | None = "none", mode: str = "compact", evictio
     collected = set(ATTENTION_STATS) | set(KV_STATS) | set(QUERY_STATS)  # gpu_worker.reads_statistics
     if cuda and pol is not None and collected & set(pol.reads) and "compilation_config" not in extra:
         args["compilation_config"] = {"cudagraph_mode": "PIECEWISE"}  # statistics run around the attention op
-    args.update(extra)
+    if cuda:
+        args["enable_prefix_caching"] = False
+    elif pol is not None and not pol.spec.uniform:  # per-row pages repack the cached prefix too (scheduler)
+        if extra.get("enable_prefix_caching"):
+            raise ValueError("vtoken: prefix caching with a policy of unequal row budgets is not supported (its "
+                             "handoff to per-row pages repacks every block of the request, the cached prefix's "
+                             "too); leave enable_prefix_caching unset")
+        args["enable_prefix_caching"] = False
+    args.update(extra)  # the CPU worker keeps vLLM's prefix caching default (on) unless extra says otherwise
     return args
 
 
@@ -113,7 +121,9 @@ def serve_flags(**kw: Any) -> list[str]:
     import json
 
     a = vllm_engine_args(**kw)
-    return ["--scheduler-cls", a["scheduler_cls"], "--worker-cls", a["worker_cls"], "--no-enable-prefix-caching",
+    pc = a.get("enable_prefix_caching")
+    return ["--scheduler-cls", a["scheduler_cls"], "--worker-cls", a["worker_cls"],
+            *({False: ["--no-enable-prefix-caching"], True: ["--enable-prefix-caching"]}.get(pc, [])),
             "--no-async-scheduling", "--additional-config", json.dumps(a["additional_config"]),
             "--logits-processors", *a["logits_processors"], "--middleware", HTTP_CHECK,
             *(["--compilation-config", json.dumps(a["compilation_config"])] if "compilation_config" in a else [])]

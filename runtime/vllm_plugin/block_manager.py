@@ -18,6 +18,11 @@ changes a block list:
     truncate(rid, Truncation)      the worker's report: records ``evicted``, frees the tail blocks beyond
                                    ``cdiv(cache length, block_size)`` tail first, and marks the row to resend
     pop_blocks_for_free            finish and preemption (recompute) forget ``evicted`` with the blocks
+    cache_blocks (prefix caching)  vLLM's offer of full blocks to the prefix cache, held back to the
+                                   frozen prefix for requests that may evict (:mod:`.prefix`): a block is
+                                   offered one step after it is computed and only below the request's first
+                                   evicted position; what is left to offer is offered when the request
+                                   finishes or is preempted
 
 The pool's accounting is published as gauges (``vtoken_kv_blocks_total`` / ``_free`` / ``_held``, see
 :mod:`.metrics`) at start-up and after every allocation, tail free and request free: :meth:`pool_accounts`.
@@ -51,6 +56,7 @@ from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 from vtoken_runtime.token_table import cdiv
 
 from .metrics import counters, record_pool
+from .prefix import NEVER, frozen_tokens
 from .report import Truncation
 
 VTOKEN_ROLE = "vtoken"  # the KV cache group role the vToken scheduler gives its (single) group
@@ -66,17 +72,26 @@ class EvictingAttentionManager(FullAttentionManager):
         super().__init__(kv_cache_spec, **kwargs)
         self._evicted: dict[str, int] = {}
         self._resend: set[str] = set()
-        self._admission: Callable[[str], int] | None = None
+        self._admission: Callable[[str, int], int] | None = None
+        self._may_evict: Callable[[Any], bool] | None = None  # bound with prefix caching on (bind_prefix_rule)
+        self._intact: dict[str, int] = {}  # first evicted position (prefix caching on)
+        self._offering: dict[str, tuple[Any, dict[str, Any]]] = {}  # request, cache_blocks kwargs: offered at free
         self.blocks_freed = 0  # every block truncate freed
         self.blocks_kept_freed = 0  # of those, the ones not taken back by the request's next allocation
         self._lent: dict[str, int] = {}  # blocks freed since the request's last allocation
         counters()  # the vtoken_* counters exist (at 0) from start-up
         self._record_pool()  # and the block-pool gauges, at the empty pool's figures
 
-    def bind_admission(self, peak_tokens: Callable[[str], int]) -> None:
-        """``peak_tokens(request_id)``: the most tokens the request will hold while it (re)prefills (the
-        scheduler's :meth:`~.scheduler.VTokenScheduler.admission_tokens`); admission asks for that many."""
+    def bind_admission(self, peak_tokens: Callable[[str, int], int]) -> None:
+        """``peak_tokens(request_id, frozen)``: the most tokens the request will hold while it (re)prefills with
+        its first ``frozen`` tokens from the prefix cache (the scheduler's
+        :meth:`~.scheduler.VTokenScheduler.admission_tokens`); admission asks for that many."""
         self._admission = peak_tokens
+
+    def bind_prefix_rule(self, may_evict: Callable[[Any], bool]) -> None:
+        """Prefix caching is on: a request for which ``may_evict(request)`` holds offers its blocks to the prefix
+        cache by the frozen-prefix rule (:mod:`.prefix`), the others as vLLM does."""
+        self._may_evict = may_evict
 
     # ------------------------------------------------------------------ queries
     def evicted_tokens(self, request_id: str) -> int:
@@ -96,10 +111,11 @@ class EvictingAttentionManager(FullAttentionManager):
     def _record_pool(self) -> None:
         record_pool(*self.pool_accounts())
 
-    def admission_blocks(self, request_id: str, num_tokens: int) -> int:
-        """Blocks a waiting request of ``num_tokens`` tokens must find free: ``cdiv(min(num_tokens, peak),
-        block_size)``, where ``peak`` bounds what it will hold (all of it without a bound)."""
-        peak = self._admission(request_id) if self._admission is not None else num_tokens
+    def admission_blocks(self, request_id: str, num_tokens: int, frozen: int = 0) -> int:
+        """Blocks a waiting request of ``num_tokens`` tokens must hold (its ``frozen`` first tokens from the prefix
+        cache included): ``cdiv(min(num_tokens, peak), block_size)``, where ``peak`` bounds what it will hold
+        (all of it without a bound)."""
+        peak = self._admission(request_id, frozen) if self._admission is not None else num_tokens
         return cdiv(min(int(num_tokens), int(peak)), self.block_size)
 
     # ------------------------------------------------------------------ vLLM's allocation, by cache length
@@ -112,7 +128,13 @@ class EvictingAttentionManager(FullAttentionManager):
                                                total_computed_tokens - ev, num_local_computed_tokens - ev,
                                                num_tokens_main_model - ev, prefill_end=prefill_end)
         if apply_admission_cap:  # the full-sequence admission gate (never a per-step allocation)
-            return max(min(n, self.admission_blocks(request_id, num_tokens - ev) - self.held_blocks(request_id)), 0)
+            # n = new blocks + prefix-cache hits still in the free queue (taken from it on allocation); the
+            # cap bounds the new ones: what the request will hold less what it holds and the hits
+            hits = list(new_computed_blocks)
+            frozen = int(total_computed_tokens) // self.block_size * self.block_size if hits else 0
+            taken = self._get_num_evictable_blocks(hits) if hits else 0
+            have = self.held_blocks(request_id) + len(hits)
+            return max(min(n - taken, self.admission_blocks(request_id, num_tokens - ev, frozen) - have), 0) + taken
         return n
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int, num_tokens_main_model: int) -> list[Any]:
@@ -128,9 +150,36 @@ class EvictingAttentionManager(FullAttentionManager):
 
     def pop_blocks_for_free(self, request_id: str) -> list[Any]:
         self._settle(request_id, 0)
+        offering = self._offering.pop(request_id, None)
+        if offering is not None and request_id in self.req_to_blocks:  # finish / preemption: the last steps' blocks
+            req, kw = offering
+            super().cache_blocks(req, self._offerable(req), **kw)
         self._evicted.pop(request_id, None)
+        self._intact.pop(request_id, None)
         self._resend.discard(request_id)
         return super().pop_blocks_for_free(request_id)
+
+    # ------------------------------------------------------------------ prefix caching
+    def _offerable(self, request: Any) -> int:
+        """Tokens of the request's frozen prefix (:func:`~.prefix.frozen_tokens`): its blocks computed before
+        the step being scheduled, below its first evicted position."""
+        return frozen_tokens(int(request.num_computed_tokens), self._intact.get(request.request_id, NEVER),
+                             self.block_size)
+
+    def cache_blocks(self, request: Any, num_tokens: int, retention_interval: int | None = None, *,
+                     replay_boundaries: Sequence[int]) -> None:
+        """vLLM's offer of the request's full blocks to the prefix cache; for a request that may evict, only
+        its frozen prefix (a block offered is then never evicted in, never moved, never freed by a truncation:
+        the worker pins the same prefix before it evicts)."""
+        kw: dict[str, Any] = {"retention_interval": retention_interval, "replay_boundaries": replay_boundaries}
+        if self._may_evict is not None and self._may_evict(request):
+            self._offering[request.request_id] = (request, kw)
+            num_tokens = min(int(num_tokens), self._offerable(request))
+        super().cache_blocks(request, num_tokens, **kw)
+
+    def intact_prefix(self, request_id: str) -> int:
+        """The request's first evicted position as the worker reported it (:data:`~.prefix.NEVER`: none)."""
+        return self._intact.get(request_id, NEVER)
 
     # ------------------------------------------------------------------ eviction
     def truncate(self, request_id: str, t: Truncation) -> int:
@@ -144,8 +193,13 @@ class EvictingAttentionManager(FullAttentionManager):
         if not 0 <= t.cache_len <= t.true_len:
             raise RuntimeError(f"vtoken: request {request_id} reports cache length {t.cache_len} for true "
                                f"length {t.true_len}")
-        self._evicted[request_id] = int(t.true_len) - int(t.cache_len)
         keep = cdiv(int(t.cache_len), self.block_size)
+        if keep < self.num_cached_block.get(request_id, 0):  # the worker froze what was offered: it cannot be
+            raise RuntimeError(f"vtoken: request {request_id} reports cache length {t.cache_len}, which would free "
+                               f"blocks offered to the prefix cache ({self.num_cached_block[request_id]})")
+        self._evicted[request_id] = int(t.true_len) - int(t.cache_len)
+        if t.intact >= 0 or t.cache_len < t.true_len:  # unknown (-1) after an eviction: nothing offerable
+            self._intact[request_id] = min(self._intact.get(request_id, NEVER), max(int(t.intact), 0))
         if len(blocks) <= keep:
             return 0
         tail = blocks[keep:]

@@ -42,9 +42,12 @@ def check_supported(vllm_config: Any) -> None:
     """Refuse configurations the plugin does not handle, with a clear message (start-up time)."""
     cc, sc = vllm_config.cache_config, vllm_config.scheduler_config
     if cc.enable_prefix_caching:
-        raise ValueError("vtoken: prefix caching is not supported with token eviction (a shared block would "
-                         "be compacted under another request); start the engine with enable_prefix_caching=False "
-                         "(vllm_engine_args() does this)")
+        pol = PluginConfig.from_vllm_config(vllm_config).load_policy()
+        if pol is not None and not pol.spec.uniform:
+            raise ValueError("vtoken: prefix caching with a policy of unequal row budgets is not supported (its "
+                             "handoff to per-row pages repacks every block of the request, the cached prefix's "
+                             "too); start the engine with enable_prefix_caching=False, or serve the policy's "
+                             "uniform twin")
     if getattr(sc, "async_scheduling", False):
         raise ValueError("vtoken: async scheduling is not supported (the scheduler needs the step's eviction "
                          "report before the next schedule()); set async_scheduling=False")
@@ -82,18 +85,31 @@ class VTokenScheduler(Scheduler):
         lpt = int(getattr(sc, "long_prefill_token_threshold", 0) or 0)
         self._vt_chunk = min(int(sc.max_num_batched_tokens), lpt) if lpt > 0 else int(sc.max_num_batched_tokens)
         mgr.bind_admission(self._vt_peak_tokens)
+        if vllm_config.cache_config.enable_prefix_caching:
+            mgr.bind_prefix_rule(self._vt_may_evict)
 
-    def _vt_peak_tokens(self, req_id: str) -> int:
+    def _vt_peak_tokens(self, req_id: str, frozen: int = 0) -> int:
         """The block manager's admission rule: :meth:`admission_tokens` of a known request, no bound otherwise."""
         req = self.requests.get(req_id)
-        return self.admission_tokens(req) if req is not None else 1 << 62
+        return self.admission_tokens(req, frozen) if req is not None else 1 << 62
 
-    def admission_tokens(self, request: Any) -> int:
+    def _vt_may_evict(self, request: Any) -> bool:
+        """The request runs under a policy (not opted out; options that fail to parse: the worker disables its
+        eviction, but the scheduler stays on the safe side)."""
+        if self._vt_budget is None:
+            return False
+        try:
+            return request_options(getattr(request, "sampling_params", None)).enabled
+        except ValueError:
+            return True
+
+    def admission_tokens(self, request: Any, frozen: int = 0) -> int:
         """The most tokens ``request`` will hold during its (re)prefill of ``n`` tokens in chunks of at most the
         step's token budget: :meth:`Budget.chunked_prefill_peak` of its budget with the request's own options
         (``n`` unless the budget evicts after every prefill chunk). An opted-out request, or options that fail to
         parse, hold everything, and so does every request in ``naive`` mode (Naive-Evict frees a block only when
-        all its tokens are dead: no budget bounds it)."""
+        all its tokens are dead: no budget bounds it). ``frozen``: its first tokens are prefix-cache hits, pinned
+        (:mod:`.prefix`): it holds them and at most a chunk more if they exceed its budget."""
         n = int(request.num_tokens)
         b = self._vt_budget
         if b is None or b.when != "chunks" or self._vt_cfg.mode == "naive":
@@ -104,7 +120,8 @@ class VTokenScheduler(Scheduler):
             return n
         if not opts.enabled:
             return n
-        return b.override(opts.budget_tokens, opts.eviction_ratio).chunked_prefill_peak(n, self._vt_chunk)
+        peak = b.override(opts.budget_tokens, opts.eviction_ratio).chunked_prefill_peak(n, self._vt_chunk)
+        return max(peak, min(n, int(frozen) + self._vt_chunk))
 
     # ------------------------------------------------------------------ the owner's figures
     def evicted_tokens(self, req_id: str) -> int:

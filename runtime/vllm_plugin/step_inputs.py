@@ -32,7 +32,7 @@ import numpy as np
 def place_new_tokens(cache: Any, pool: Any, req_ids: Sequence[str], num_scheduled: np.ndarray,
                      num_computed: np.ndarray, block_rows: np.ndarray, blocks_per_row: np.ndarray,
                      query_start_loc: np.ndarray, slot_mapping: np.ndarray,
-                     on_new: Callable[[str], None], rows: Any = None) -> np.ndarray:
+                     on_new: Callable[[str], None], rows: Any = None, cached_prefix: bool = False) -> np.ndarray:
     """Reserve the step's new tokens; write their slots into ``slot_mapping`` (flat token order).
 
     ``num_scheduled [B]`` / ``num_computed [B]`` (true positions before the step), ``block_rows
@@ -46,6 +46,11 @@ def place_new_tokens(cache: Any, pool: Any, req_ids: Sequence[str], num_schedule
     new tokens are reserved there (every row, fed from the same block-table row); their slots in
     ``slot_mapping`` are ``-1`` (vLLM's write skips them; the row path writes them) and their returned length
     is the step's query count (what vLLM's stock metadata needs; the row path does not read it).
+
+    ``cached_prefix`` (prefix caching on): a request first seen at ``start > 0`` starts with ``start`` tokens
+    from vLLM's prefix cache, its first ``start / block_size`` blocks. They enter the token table in place
+    (position ``p`` at slot ``p % block_size`` of block ``p // block_size``; nothing is written) with zeroed
+    statistics; the worker freezes them before any eviction (:mod:`.prefix`).
     """
     seq = np.zeros(len(req_ids), dtype=np.int32)
     for i, rid in enumerate(req_ids):
@@ -63,10 +68,17 @@ def place_new_tokens(cache: Any, pool: Any, req_ids: Sequence[str], num_schedule
             cache.free(rid)
             known = False
         if not known:
-            if start != 0:
+            bs = cache.block_size
+            if start != 0 and (not cached_prefix or start % bs):
                 raise RuntimeError(f"vtoken: request {rid} starts at position {start} without a token-table "
-                                   "entry (prefix caching / KV transfer are not supported)")
+                                   "entry (not a prefix-cache hit of whole blocks; KV transfer is not supported)")
             on_new(rid)
+            if start:  # prefix-cache hit: the shared blocks, in place
+                pool.feed(block_rows[i, :start // bs], shared=True)
+                hit = cache.reserve(rid, start)
+                p = np.arange(start)
+                if hit is None or not np.array_equal(hit, block_rows[i, p // bs].astype(np.int64) * bs + p % bs):
+                    raise RuntimeError(f"vtoken: request {rid}: its {start} cached tokens did not land in place")
         pool.feed(block_rows[i, cache.held_blocks(rid):int(blocks_per_row[i])])
         slots = cache.reserve(rid, n)
         if slots is None:  # ExternalPool raises instead; kept for clarity

@@ -37,7 +37,7 @@ import logging
 import os
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from functools import partial
 from typing import Any
 
@@ -58,6 +58,7 @@ from .collector import StepContext, VTokenAttentionImpl, build_step_index
 from .config import PluginConfig, RequestOptions, describe_policy, request_options
 from .heap import HeapTrimmer
 from .metrics import record_step
+from .prefix import NEVER, first_evicted, frozen_in_place, frozen_tokens
 from .report import Truncation
 from .step_inputs import place_new_tokens, true_positions
 
@@ -76,9 +77,12 @@ class ExternalPool(BlockPool):
     def __init__(self, num_blocks: int, debug: bool | None = None) -> None:
         super().__init__(num_blocks, debug=debug)
         self._feed: list[int] = []
+        self._shared = False
 
-    def feed(self, ids: Sequence[int]) -> None:
+    def feed(self, ids: Sequence[int], shared: bool = False) -> None:
+        """``shared``: prefix-cache hits, which other requests may hold too (a held one gains a reference)."""
         self._feed = [int(b) for b in ids]
+        self._shared = shared
 
     def pending(self) -> int:
         """Blocks fed and not yet taken."""
@@ -91,7 +95,12 @@ class ExternalPool(BlockPool):
             raise RuntimeError(f"vtoken: the scheduler allocated {len(self._feed)} new block(s) but the cache "
                                f"needs {n} (allocation by cache length out of sync)")
         out, self._feed = self._feed[:n], self._feed[n:]
-        self.take(out)  # InvariantError if vLLM handed out a block the token table still holds
+        if self._shared:  # prefix-cache hits: held by another request (shared) or free here (cached, unowned)
+            held = [b for b in out if self.refcount(b) > 0]
+            self.incref(held)
+            self.take([b for b in out if self.refcount(b) == 0 and b not in held])
+        else:
+            self.take(out)  # InvariantError if vLLM handed out a block the token table still holds
         return out
 
 
@@ -117,6 +126,9 @@ class VTokenRunnerMixin:
         self._vt_kvmaps: tuple[np.ndarray, np.ndarray] | None = None  # the probed CPU layout (kmap, vmap)
         self._vt_opts: dict[str, RequestOptions] = {}
         self._vt_n_sched: dict[str, int] = {}
+        # prefix caching on: each request's first evicted position (absent: none yet), see .prefix
+        self._vt_prefix = bool(self.vllm_config.cache_config.enable_prefix_caching)
+        self._vt_first_evicted: dict[str, int] = {}
         # tests: per request and step (first position, new tokens, live positions per row: [R, n] uniform, a
         # list of R arrays for a row request)
         self.vtoken_trace: dict[str, list[tuple[int, int, Any]]] | None = None
@@ -367,6 +379,7 @@ class VTokenRunnerMixin:
             use, pins, budget = None, None, None
         if cache.add_request(rid, pins) is None:
             raise RuntimeError("vtoken: token table full (max_num_seqs exceeded)")
+        self._vt_first_evicted.pop(rid, None)  # a recompute starts with nothing evicted
         if self._vt_queries is not None:
             self._vt_queries.remove(rid)  # a recompute starts a new window
         self._vt_driver.remove(rid)
@@ -395,6 +408,7 @@ class VTokenRunnerMixin:
                     q.remove(rid)
                 self._vt_opts.pop(rid, None)
                 self._vt_n_sched.pop(rid, None)
+                self._vt_first_evicted.pop(rid, None)
                 self._vt_driver.remove(rid)
         self._vt_heap.maybe_trim(bool(scheduler_output.finished_req_ids))
         return super()._update_states(scheduler_output)  # type: ignore[misc]
@@ -413,7 +427,8 @@ class VTokenRunnerMixin:
         qsl = self.query_start_loc.np[: num_reqs + 1]
         computed = ib.num_computed_tokens_cpu[:num_reqs]
         seq = place_new_tokens(cache, self._vt_pool, req_ids, num_scheduled_tokens, computed, bt.block_table.np,
-                               bt.num_blocks_per_row, qsl, bt.slot_mapping.np, self._vt_add, rows=self._vt_rows)
+                               bt.num_blocks_per_row, qsl, bt.slot_mapping.np, self._vt_add, rows=self._vt_rows,
+                               cached_prefix=self._vt_prefix)
         total = int(qsl[num_reqs])
         rows = self._vt_rows
         self._vt_rowstep = None
@@ -479,6 +494,20 @@ class VTokenRunnerMixin:
         return out
 
     # ------------------------------------------------------------------ eviction
+    def _vt_freeze(self, req_ids: Iterable[str]) -> None:
+        """Prefix caching: before a step's eviction, each request's frozen prefix (:mod:`.prefix`: the blocks the
+        scheduler may have offered to the prefix cache, cache hits included) is pinned and kept out of the
+        budget. The rule is the scheduler's, on the same numbers: tokens computed before this step, and the
+        first position this request has evicted."""
+        cache, bs = self._vt_cache, self._vt_cache.block_size
+        for rid in req_ids:
+            before = cache.logical_len(rid) - self._vt_n_sched.get(rid, 0)
+            f = frozen_tokens(before, self._vt_first_evicted.get(rid, NEVER), bs)
+            try:
+                self._vt_driver.freeze_prefix(rid, f)
+            except ValueError as e:  # a position the scheduler may offer is gone: the rule is broken
+                raise RuntimeError(f"vtoken: request {rid}: its frozen prefix of {f} tokens lost a token ({e})") from e
+
     def _vt_after_step(self, req_ids: list[str]) -> dict[str, Truncation]:
         """The driver's step for requests whose prompt is complete. Returns, per evicted request and per row
         request of the batch (:meth:`.rows.VllmRowCache.scheduler_len`), the scheduler's
@@ -499,12 +528,24 @@ class VTokenRunnerMixin:
         rows = self._vt_rows
         report: dict[str, Truncation] = {}
         if phases:
+            if self._vt_prefix:
+                self._vt_freeze(phases)
             step = self._vt_driver.step(list(phases), phases)
             if self._vt_rank == 0:
                 record_step(step)
             naive = self._vt_cfg.mode == "naive"
-            report = {rid: Truncation(cache.logical_len(rid), cache.naive_cache_len(rid) if naive else cache.cache_len(rid))
-                      for rid in step.evicted if cache.has_request(rid)}
+            evicted = [rid for rid in step.evicted if cache.has_request(rid)]  # the same list on every rank
+            intact = [-1] * len(evicted)
+            if self._vt_prefix:
+                intact = [min(self._vt_first_evicted.get(rid, NEVER), first_evicted(cache.live_view(rid)[0]))
+                          for rid in evicted]
+                col = self._vt_driver.collective
+                if col is not None:  # a rank's heads evict their own positions: the first over every rank
+                    intact = [-v for v in col.max([-v for v in intact])]
+                self._vt_first_evicted.update(zip(evicted, intact, strict=True))
+            for rid, first in zip(evicted, intact, strict=True):
+                report[rid] = Truncation(cache.logical_len(rid),
+                                         cache.naive_cache_len(rid) if naive else cache.cache_len(rid), first)
         if rows is not None:  # every row request of the batch (handed off now or earlier): the length to hold
             rids = [rid for rid in req_ids if rid in rows]
             need = [rows.table.blocks_needed(rid, 1) for rid in rids]
@@ -516,6 +557,13 @@ class VTokenRunnerMixin:
         if report and self._vt_cfg.debug:
             cache.fence()
             cache.check_invariants()
+            for rid in report:  # prefix caching: what the scheduler may offer is where it was computed
+                t = self._vt_driver.requests.get(rid)
+                if t is not None and t.frozen and cache.has_request(rid):
+                    pos, phys = cache.live_slots(rid)
+                    check(frozen_in_place(pos, phys, np.asarray(cache.table.get(rid).blocks), t.frozen,
+                                          cache.block_size), "FROZEN",
+                          f"request {rid}: its frozen prefix of {t.frozen} tokens was evicted or moved")
             if rows is not None:
                 rows.check_invariants()
         return report

@@ -398,6 +398,28 @@ def test_layer_head_and_head_dim(spec: BatchSpec) -> None:
     np.testing.assert_array_equal(got, np.broadcast_to(want.astype(F32)[None, :, :, None], (b, l_, h, n)))
 
 
+@given(specs)
+def test_head_and_random_mean_the_layers_head_under_a_head_offset(spec: BatchSpec) -> None:
+    """Tensor parallelism hands a rank the layer's heads ``head_offset ..``: ``s.head`` and ``s.random`` of that
+    part equal the whole batch's at those heads (one meaning per name on every rank)."""
+    batch = build_batch(spec)
+    b, l_, h, n = batch.shape
+    fields = {f: getattr(batch, f) for f in StatsBatch.__dataclass_fields__}
+
+    def part(lo: int, hi: int) -> StatsBatch:
+        def cut(t):  # type: ignore[no-untyped-def]
+            return t if t is None or t.dim() < 3 or t.shape[2] == 1 else t[:, :, lo:hi]
+        return StatsBatch(**{**fields, "stats": {k: cut(v) for k, v in batch.stats.items()},
+                             "positions": cut(batch.positions), "pinned": cut(batch.pinned),
+                             "vectors": {k: cut(v) for k, v in batch.vectors.items()}, "head_offset": lo})
+
+    fn = lambda s: s.head * 10.0 + s.random  # noqa: E731
+    whole = _scores(fn, batch)
+    for lo in range(h):
+        got = _scores(fn, part(lo, h))
+        assert _same(got, whole[:, :, lo:]), lo
+
+
 def test_num_layers_smaller_than_the_batch_is_refused() -> None:
     spec = BatchSpec(1, 3, 1, 4, (4,), (0,), "ties", 0, False, (), None)
     batch = StatsBatch(**{**{f: getattr(build_batch(spec), f) for f in StatsBatch.__dataclass_fields__},

@@ -179,6 +179,17 @@ def test_rows_over_several_lane_tiles_and_the_tiled_select(name: str) -> None:
     _check(policy, batch)
 
 
+def test_head_and_random_follow_the_head_offset_as_in_torch() -> None:
+    """``StatsBatch.head_offset`` (a tensor-parallel rank's first KV head) reaches the kernel: ``s.head`` and
+    ``s.random`` and the keep mask are bit-identical to the torch backend's with an offset."""
+    pol = vt.policy(budget=vt.Budget(ratio=0.5), granularity="head", name="head_random")(
+        lambda s: s.head * 10.0 + s.random + s.attn_sum)
+    batch = build_batch(FIXED[0])
+    shifted = StatsBatch(**{**{f: getattr(batch, f) for f in StatsBatch.__dataclass_fields__}, "head_offset": 5})
+    _check(pol, shifted, tp=TritonPolicy(pol))
+    assert not torch.equal(TorchPolicy(pol).scores(shifted), TorchPolicy(pol).scores(batch))
+
+
 def test_validator_runs_the_backend_check_under_the_interpreter() -> None:
     report = check_policy(_build(("keydiff", {"granularity": "request"})), examples=5, checks=("backend_equal",))
     assert [r.status for r in report.results] == ["pass"], report.summary()

@@ -88,7 +88,10 @@ def test_per_request_options_over_http_evict_and_show_on_metrics(server: Server)
     base = {"model": server.model, "prompt": _prompt(300, 1), "max_tokens": 8, "temperature": 0}
     code, off = _post(url, {**base, "vllm_xargs": {"vtoken_enabled": False}})
     assert code == 200 and server.metric("vtoken_tokens_evicted_total") == before  # opted out: nothing evicted
-    code, on = _post(url, {**base, "vllm_xargs": {"vtoken_budget_tokens": 64, "vtoken_pinned_spans": [0, 8]}})
+    # another prompt: the opted-out request's blocks are in the prefix cache (prefix caching is on by default),
+    # and a request hitting them keeps its cached prefix (vtoken_runtime.vllm_plugin.prefix)
+    code, on = _post(url, {**base, "prompt": _prompt(300, 2),
+                           "vllm_xargs": {"vtoken_budget_tokens": 64, "vtoken_pinned_spans": [0, 8]}})
     assert code == 200 and on["choices"][0]["text"]
     assert server.metric("vtoken_tokens_evicted_total") > before
     assert server.metric("vtoken_blocks_freed_total") > freed
@@ -218,7 +221,7 @@ def test_client_disconnect_mid_stream_returns_its_blocks(server: Server) -> None
 @pytest.mark.parametrize("args, why", [
     (["--policy", "nope"], "neither a shipped policy"),
     (["--mode", "sideways"], "unknown mode"),
-    (["--enable-prefix-caching"], "prefix caching"),
+    (["--async-scheduling"], "async scheduling"),
     (["--pipeline-parallel-size", "2"], "pipeline parallelism"),
     (["--slack", "blocks"], "slack: got 'blocks'"),
 ])

@@ -313,22 +313,18 @@ def test_abort_returns_blocks(tiny: Path) -> None:
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
 
 
-def test_prefix_caching_refused(tiny: Path) -> None:
-    from vtoken_runtime.vllm_plugin import vllm_engine_args
-
-    with pytest.raises(ValueError, match="prefix caching"):
-        vllm_engine_args(policy="h2o", enable_prefix_caching=True)
-    with pytest.raises(Exception, match="prefix caching"):
-        engine(tiny, {"policy": "h2o"}, enable_prefix_caching=True)
-
-
 def test_engine_args_and_serve_flags() -> None:
     from vtoken_runtime.vllm_plugin import serve_flags, vllm_engine_args
 
-    a = vllm_engine_args(policy="scissorhands", mode="naive", eviction_ratio=0.7)
-    assert a["additional_config"]["vtoken"]["mode"] == "naive" and a["enable_prefix_caching"] is False
-    flags = serve_flags(policy="h2o")
+    a = vllm_engine_args(policy="scissorhands", mode="naive", eviction_ratio=0.7, device="cpu")
+    assert a["additional_config"]["vtoken"]["mode"] == "naive" and "enable_prefix_caching" not in a  # vLLM's default
+    assert a["async_scheduling"] is False
+    assert vllm_engine_args(policy="h2o", device="cuda")["enable_prefix_caching"] is False  # not verified on GPUs
+    assert vllm_engine_args(policy="h2o", device="cpu", enable_prefix_caching=False)["enable_prefix_caching"] is False
+    flags = serve_flags(policy="h2o", device="cpu")
     assert "--scheduler-cls" in flags and "--worker-cls" in flags
+    assert not any("prefix-caching" in f for f in flags)
+    assert "--no-enable-prefix-caching" in serve_flags(policy="h2o", device="cpu", enable_prefix_caching=False)
     with pytest.raises(ValueError):
         vllm_engine_args(policy="nope")
     with pytest.raises(ValueError):

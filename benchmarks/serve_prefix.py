@@ -1,0 +1,242 @@
+"""Serving with prefix caching on (``vtoken-cli bench prefix``, issue 40): vanilla vLLM with prefix caching, the
+baseline a user actually runs, against vToken with prefix caching on, in-process, closed loop, SmolLM2.
+
+Two traces, essay tokens, seeded:
+
+* ``shared``: ``num_requests`` requests, each a ``system_tokens`` system prompt shared by all of them followed
+  by its own question (``question_tokens``), answers of ``output_tokens``; all arrive at t=0.
+* ``chat``: ``conversations`` conversations of ``turns`` turns, each starting with the same system prompt; turn
+  ``t + 1``'s prompt is turn ``t``'s prompt, its answer and a new message (``message_tokens``), sent when turn
+  ``t`` finishes (each conversation is a closed loop of its own).
+
+Engines (each built once; its prefix cache is reset before every run):
+
+* ``vanilla``: vLLM with prefix caching on;
+* ``none``: vToken with policy ``none`` (the plugin's overhead: interleaved with vanilla, ``rounds`` rounds);
+* ``POLICY@RATIO``: vToken evicting, each request pinning its system prompt (``vtoken_pinned_spans``, which is
+  how a deployment keeps a shared prefix cacheable: see ``vtoken_runtime.vllm_plugin.prefix``).
+
+Figures per (trace, engine): prefix-cache hit rate (prompt tokens served from the cache, ``num_cached_tokens``
+over prompt tokens), running peak (most requests in the running set after a ``schedule()``), preemptions,
+closed-loop throughput (requests and output tokens per second on this process's CPU clock), and blocks
+freed by eviction. The KV cache holds the system prompt plus ``vanilla_target + 0.5`` requests' own tokens.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from .serve_config import resolve_dtype, set_env
+from .serve_engine import Probe, free_engine, kv_bytes, scheduler_of, start_engine
+
+
+@dataclass(frozen=True)
+class PrefixConfig:
+    system_tokens: int = 1024
+    question_tokens: tuple[int, int] = (512, 768)
+    output_tokens: tuple[int, int] = (96, 160)
+    num_requests: int = 16
+    conversations: int = 6
+    turns: int = 3
+    message_tokens: tuple[int, int] = (128, 256)
+    answer_tokens: tuple[int, int] = (48, 96)
+    policy: str = "h2o"
+    ratio: float = 0.5
+    rounds: int = 3
+    vanilla_target: int = 3
+    block_size: int = 32
+    chunk_tokens: int = 512
+    max_num_seqs: int = 32
+    dtype: str = "auto"
+    seed: int = 0
+
+
+QUICK = PrefixConfig(question_tokens=(384, 512), output_tokens=(64, 96), num_requests=10, conversations=4, turns=2,
+                     message_tokens=(96, 160), answer_tokens=(32, 48), rounds=3)
+
+
+@dataclass
+class Shared:
+    system: list[int]
+    questions: list[list[int]]
+    outputs: list[int]
+    messages: list[list[list[int]]]  # [conversation][turn]
+    answers: list[list[int]]
+
+
+def make_traces(model_dir: str, cfg: PrefixConfig) -> Shared:
+    from transformers import AutoTokenizer
+
+    from vtoken_bench.essays import essay_token_requests
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    g = np.random.default_rng(cfg.seed)
+    ql = [int(x) for x in g.integers(cfg.question_tokens[0], cfg.question_tokens[1] + 1, cfg.num_requests)]
+    ol = [int(x) for x in g.integers(cfg.output_tokens[0], cfg.output_tokens[1] + 1, cfg.num_requests)]
+    ml = [int(x) for x in g.integers(cfg.message_tokens[0], cfg.message_tokens[1] + 1, cfg.conversations * cfg.turns)]
+    al = [[int(x) for x in g.integers(cfg.answer_tokens[0], cfg.answer_tokens[1] + 1, cfg.turns)]
+          for _ in range(cfg.conversations)]
+    texts = essay_token_requests(tok, [cfg.system_tokens, *ql, *ml], 1, offset=cfg.seed * 7919 + 101)
+    system, qs, ms = texts[0], texts[1:1 + len(ql)], texts[1 + len(ql):]
+    msgs = [ms[c * cfg.turns:(c + 1) * cfg.turns] for c in range(cfg.conversations)]
+    return Shared(system, qs, ol, msgs, al)
+
+
+def kv_blocks(cfg: PrefixConfig, tr: Shared) -> int:
+    """The system prompt's blocks plus ``vanilla_target + 0.5`` mean requests' own blocks (shared trace)."""
+    bs = cfg.block_size
+    own = [math.ceil((len(q) + o) / bs) + 1 for q, o in zip(tr.questions, tr.outputs, strict=True)]
+    return math.ceil(cfg.system_tokens / bs) + math.ceil((cfg.vanilla_target + 0.5) * sum(own) / len(own))
+
+
+def build(model_dir: str, cfg: PrefixConfig, blocks: int, max_len: int, plugin: dict[str, Any] | None) -> Any:
+    set_env()
+    dtype = resolve_dtype(cfg.dtype)
+    args: dict[str, Any] = dict(model=model_dir, dtype=dtype, max_model_len=max_len, block_size=cfg.block_size,
+                                enforce_eager=True, seed=0, kv_cache_memory_bytes=kv_bytes(model_dir, blocks,
+                                                                                           cfg.block_size, dtype),
+                                max_num_seqs=cfg.max_num_seqs, enable_prefix_caching=True,
+                                enable_chunked_prefill=True, max_num_batched_tokens=cfg.chunk_tokens,
+                                long_prefill_token_threshold=cfg.chunk_tokens)
+    return start_engine(args, plugin)
+
+
+@dataclass
+class Run:
+    cpu_seconds: float = 0.0
+    wall_seconds: float = 0.0
+    requests: int = 0
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    max_running: int = 0
+    preemptions: int = 0
+    blocks_freed: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def rps(self) -> float:
+        return self.requests / self.cpu_seconds if self.cpu_seconds > 0 else 0.0
+
+    def row(self) -> dict[str, Any]:
+        return {**asdict(self), "hit_rate": round(self.hit_rate, 4), "rps": round(self.rps, 4),
+                "tok_s": round(self.output_tokens / self.cpu_seconds, 2) if self.cpu_seconds else 0.0}
+
+
+def _params(max_tokens: int, vtoken: dict[str, Any] | None) -> Any:
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                          extra_args={"vtoken": vtoken} if vtoken else None)
+
+
+def run(llm: Any, tr: Shared, trace: str, pin: bool) -> Run:
+    """One closed-loop run of ``trace`` (``shared`` or ``chat``) on ``llm`` with an empty prefix cache."""
+    from vllm.inputs import TokensPrompt
+
+    if not llm.reset_prefix_cache():
+        raise RuntimeError("vLLM refused to reset the prefix cache (requests still running)")
+    eng, sched = llm.llm_engine, scheduler_of(llm)
+    sched._bench_probe = probe = Probe()
+    freed0 = int((getattr(sched, "vtoken_stats", None) or {}).get("blocks_freed", 0))
+    opts = {"pinned_spans": [0, len(tr.system)]} if pin else None
+    res = Run()
+    pending: dict[str, tuple[int, int, list[int]]] = {}  # request id -> (conversation, turn, prompt)
+    tag = f"{trace}{time.monotonic_ns()}"
+
+    def add(rid: str, prompt: list[int], m: int) -> None:
+        eng.add_request(rid, TokensPrompt(prompt_token_ids=prompt), _params(m, opts))
+        res.prompt_tokens += len(prompt)
+
+    c0, t0 = time.process_time(), time.perf_counter()
+    if trace == "shared":
+        for i, (q, m) in enumerate(zip(tr.questions, tr.outputs, strict=True)):
+            add(f"{tag}-{i}", tr.system + q, m)
+    else:
+        for c, msgs in enumerate(tr.messages):
+            p = tr.system + msgs[0]
+            pending[f"{tag}-{c}-0"] = (c, 0, p)
+            add(f"{tag}-{c}-0", p, tr.answers[c][0])
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if not o.finished:
+                continue
+            res.requests += 1
+            res.output_tokens += len(o.outputs[0].token_ids)
+            res.cached_tokens += int(o.num_cached_tokens or 0)
+            if o.request_id in pending:
+                c, t, p = pending.pop(o.request_id)
+                if t + 1 < len(tr.messages[c]):
+                    nxt = p + list(o.outputs[0].token_ids) + tr.messages[c][t + 1]
+                    rid = f"{tag}-{c}-{t + 1}"
+                    pending[rid] = (c, t + 1, nxt)
+                    add(rid, nxt, tr.answers[c][t + 1])
+    res.cpu_seconds, res.wall_seconds = time.process_time() - c0, time.perf_counter() - t0
+    res.max_running, res.preemptions = probe.max_running, probe.preemptions
+    res.blocks_freed = int((getattr(sched, "vtoken_stats", None) or {}).get("blocks_freed", 0)) - freed0
+    return res
+
+
+def run_prefix_bench(model_dir: str, cfg: PrefixConfig, log: Any = print) -> dict[str, Any]:
+    tr = make_traces(model_dir, cfg)
+    blocks = kv_blocks(cfg, tr)
+    longest_chat = max(len(tr.system) + sum(len(m) for m in ms) + sum(a) for ms, a in zip(tr.messages, tr.answers,
+                                                                                          strict=True))
+    max_len = max(longest_chat, cfg.system_tokens + cfg.question_tokens[1] + cfg.output_tokens[1]) + cfg.block_size
+    evict = f"{cfg.policy}@{cfg.ratio:g}"
+    engines = {"vanilla": None, "none": {"policy": "none", "device": "cpu"},
+               evict: {"policy": cfg.policy, "eviction_ratio": cfg.ratio, "device": "cpu"}}
+    log(f"KV cache {blocks} blocks of {cfg.block_size}; system prompt {cfg.system_tokens} tokens; "
+        f"{cfg.num_requests} shared-prefix requests, {cfg.conversations} x {cfg.turns}-turn chats; dtype "
+        f"{resolve_dtype(cfg.dtype)}")
+    llms = {}
+    try:
+        for name, plugin in engines.items():
+            llms[name] = build(model_dir, cfg, blocks, max_len, plugin)
+        for name, llm in llms.items():  # warm-up: one request each, outside every figure
+            run(llm, Shared(tr.system, tr.questions[:1], [8], [], []), "shared", pin=name == evict)
+        rows: list[dict[str, Any]] = []
+        overhead: list[float] = []
+        for trace in ("shared", "chat"):
+            for r in range(cfg.rounds if trace == "shared" else 1):
+                order = ["vanilla", "none", evict] if r % 2 == 0 else [evict, "none", "vanilla"]
+                got = {name: run(llms[name], tr, trace, pin=name == evict) for name in order}
+                if trace == "shared":
+                    overhead.append(got["none"].cpu_seconds / got["vanilla"].cpu_seconds)
+                for name in ("vanilla", "none", evict):
+                    rows.append({"trace": trace, "round": r, "engine": name, **got[name].row()})
+                    log(f"{trace} round {r} {name}: {rows[-1]}")
+    finally:
+        for llm in llms.values():
+            free_engine(llm)
+    return {"config": {**asdict(cfg), "kv_blocks": blocks, "dtype": resolve_dtype(cfg.dtype)},
+            "rows": rows, "overhead_none": {"ratios": [round(x, 4) for x in overhead],
+                                            "median": round(statistics.median(overhead), 4),
+                                            "min": round(min(overhead), 4), "max": round(max(overhead), 4)},
+            "summary": summarize(rows, evict)}
+
+
+def summarize(rows: list[dict[str, Any]], evict: str) -> dict[str, Any]:
+    """Per trace: the median over rounds of each engine's figures, and the evicting engine's against vanilla."""
+    out: dict[str, Any] = {}
+    for trace in sorted({r["trace"] for r in rows}):
+        med = {}
+        for eng in ("vanilla", "none", evict):
+            rs = [r for r in rows if r["trace"] == trace and r["engine"] == eng]
+            med[eng] = {k: statistics.median(r[k] for r in rs)
+                        for k in ("hit_rate", "max_running", "rps", "tok_s", "preemptions", "blocks_freed")}
+        v, e = med["vanilla"], med[evict]
+        out[trace] = {"median": med,
+                      "hit_rate_gap": round(v["hit_rate"] - e["hit_rate"], 4),
+                      "running_peak_x": round(e["max_running"] / v["max_running"], 3) if v["max_running"] else None,
+                      "rps_x": round(e["rps"] / v["rps"], 3) if v["rps"] else None}
+    return out

@@ -1,0 +1,72 @@
+"""``vtoken-cli bench prefix``: serving with prefix caching on, vanilla vLLM against vToken (issue 40).
+
+Registered by ``cli/bench_cmd.py``. Heavy imports (vLLM) happen inside the command."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+out = Console(width=None if sys.stdout.isatty() else 200)
+err = Console(stderr=True)
+
+
+def bench_prefix(
+    quick: Annotated[bool, typer.Option("--quick", help="10 shared-prefix requests and 4 two-turn chats, shorter "
+                                                        "questions and answers (about 10 minutes here)")] = False,
+    policy: Annotated[str, typer.Option(help="the evicting engine's shipped policy (uniform budgets)")] = "h2o",
+    ratio: Annotated[float, typer.Option(min=0.0, max=0.95, help="its eviction ratio")] = 0.5,
+    rounds: Annotated[int | None, typer.Option(min=1, help="interleaved rounds of the shared trace (default 3)")
+                      ] = None,
+    system_tokens: Annotated[int | None, typer.Option(min=32, help="the shared system prompt (default 1024)")
+                             ] = None,
+    as_json: Annotated[Path | None, typer.Option("--json", help="write the JSON report here")] = None,
+) -> None:
+    """Prefix caching on: a shared system prompt and multi-turn chats, vanilla vLLM (prefix caching on) against
+    vToken with policy none (overhead, interleaved) and an evicting policy (the system prompt pinned): hit rate,
+    running peak, closed-loop throughput."""
+    from vtoken_bench.models import smollm2_path
+    from vtoken_bench.serve_prefix import QUICK, PrefixConfig, run_prefix_bench
+
+    cfg = QUICK if quick else PrefixConfig()
+    cfg = replace(cfg, policy=policy, ratio=ratio, rounds=rounds or cfg.rounds,
+                  system_tokens=system_tokens or cfg.system_tokens)
+    import vtoken_policies
+
+    if policy not in vtoken_policies.names():
+        err.print(f"bad option value: --policy {policy!r}; shipped: {', '.join(vtoken_policies.names())}")
+        raise typer.Exit(2)
+    try:
+        result = run_prefix_bench(str(smollm2_path()), cfg, log=lambda m: err.print(m, markup=False, highlight=False))
+    except ValueError as e:
+        err.print(f"bench prefix: {e}", markup=False, highlight=False)
+        raise typer.Exit(1) from None
+    evict = f"{cfg.policy}@{cfg.ratio:g}"
+    t = Table(title=f"prefix caching on, SmolLM2, KV cache {result['config']['kv_blocks']} blocks, system prompt "
+                    f"{cfg.system_tokens} tokens (pinned by the evicting engine's requests): medians over rounds")
+    for c in ("trace", "engine", "hit rate", "running peak", "preemptions", "req/s (cpu)", "tok/s (cpu)",
+              "blocks freed", "peak vs vanilla", "req/s vs vanilla"):
+        t.add_column(c, justify="right")
+    for trace, s in result["summary"].items():
+        for eng in ("vanilla", "none", evict):
+            m = s["median"][eng]
+            v = s["median"]["vanilla"]
+            t.add_row(trace, eng, f"{100 * m['hit_rate']:.1f}%", f"{m['max_running']:g}", f"{m['preemptions']:g}",
+                      f"{m['rps']:.3f}", f"{m['tok_s']:.1f}", f"{m['blocks_freed']:g}",
+                      f"{m['max_running'] / v['max_running']:.2f}x" if v["max_running"] else "-",
+                      f"{m['rps'] / v['rps']:.2f}x" if v["rps"] else "-")
+    out.print(t)
+    o = result["overhead_none"]
+    out.print(f"policy none / vanilla, CPU seconds of the shared trace, {len(o['ratios'])} interleaved rounds: "
+              f"median {o['median']:.4f}x [{o['min']:.4f}, {o['max']:.4f}]")
+    if as_json is not None:
+        from vtoken_bench.experiments import write_json
+
+        write_json(result, as_json)
+        err.print(f"json: {as_json}")

@@ -1,0 +1,61 @@
+"""``vtoken-cli bench prefix`` (``vtoken_bench.serve_prefix``): serving with prefix caching on, vanilla vLLM
+against vToken, on SmolLM2. Fast: the option check. Slow: a small run of both traces whose figures must say
+what the design promises (the system prompt is hit as often as vanilla hits it; eviction frees blocks)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from vtoken_cli.main import app
+
+pytestmark = pytest.mark.vllm
+
+
+def test_an_unknown_policy_is_exit_2_before_anything_runs() -> None:
+    res = CliRunner().invoke(app, ["bench", "prefix", "--policy", "nope"])
+    assert res.exit_code == 2 and "--policy 'nope'" in res.output
+
+
+@pytest.mark.slow
+def test_a_small_run_hits_the_shared_prompt_like_vanilla_and_frees_blocks(tmp_path: Path) -> None:
+    pytest.importorskip("vllm")
+    from vtoken_bench.models import smollm2_path
+    from vtoken_bench.serve_prefix import PrefixConfig, run_prefix_bench
+
+    cfg = PrefixConfig(system_tokens=256, question_tokens=(160, 200), output_tokens=(24, 32), num_requests=6,
+                       conversations=2, turns=2, message_tokens=(48, 64), answer_tokens=(16, 24), rounds=2,
+                       dtype="float32", max_num_seqs=16)
+    r = run_prefix_bench(str(smollm2_path()), cfg, log=lambda m: None)
+    assert {x["engine"] for x in r["rows"]} == {"vanilla", "none", "h2o@0.5"}
+    assert len(r["rows"]) == 3 * (2 + 1) and len(r["overhead_none"]["ratios"]) == 2
+    s = r["summary"]["shared"]["median"]
+    # 5 of 6 requests hit the 256-token system prompt: at least 5 x 256 of 6 x ~436 prompt tokens
+    assert s["vanilla"]["hit_rate"] > 0.45 and s["none"]["hit_rate"] == s["vanilla"]["hit_rate"]
+    assert s["h2o@0.5"]["hit_rate"] >= s["vanilla"]["hit_rate"] - 0.05
+    assert s["h2o@0.5"]["blocks_freed"] > 0 and s["vanilla"]["blocks_freed"] == 0
+    c = r["summary"]["chat"]["median"]
+    assert c["vanilla"]["hit_rate"] > 0.5 and c["h2o@0.5"]["hit_rate"] > 0.4  # turn 2 hits turn 1 (pinned system)
+
+
+
+@pytest.mark.slow
+def test_three_engines_start_in_one_process() -> None:
+    """vanilla, then a vToken engine, then another, SmolLM2 in its own dtype with prefix caching (what ``bench
+    prefix`` builds), in a fresh process: the third start used to fail in vLLM's kernel-rebinding scan on
+    llvmlite's ``ffi.lib`` (the fix ran before numba had imported ``llvmlite.binding``, so it found nothing
+    to fix: ``_numba_compat.make_llvmlite_scan_safe``)."""
+    import subprocess
+    import sys
+
+    code = """
+from vtoken_bench.models import smollm2_path
+from vtoken_bench.serve_prefix import PrefixConfig, build
+for plugin in (None, {"policy": "none", "device": "cpu"}, {"policy": "h2o", "device": "cpu"}):
+    llm = build(str(smollm2_path()), PrefixConfig(), 80, 2048, plugin)
+print("three engines started")
+"""
+    out = subprocess.run([sys.executable, "-c", code], timeout=600, capture_output=True, text=True)
+    assert out.returncode == 0 and "three engines started" in out.stdout, out.stderr[-3000:]
