@@ -13,8 +13,9 @@ Engines (each built once; its prefix cache is reset before every run):
 
 * ``vanilla``: vLLM with prefix caching on;
 * ``none``: vToken with policy ``none`` (the plugin's overhead: interleaved with vanilla, ``rounds`` rounds);
-* ``POLICY@RATIO``: vToken evicting, each request pinning its system prompt (``vtoken_pinned_spans``, which is
-  how a deployment keeps a shared prefix cacheable: see ``vtoken_runtime.vllm_plugin.prefix``).
+* ``POLICY@RATIO``: vToken evicting (after every prefill chunk, ``when="chunks"``), each request pinning its
+  system prompt (``vtoken_pinned_spans``, which is how a deployment keeps a shared prefix cacheable: see
+  ``vtoken_runtime.vllm_plugin.prefix``).
 
 Figures per (trace, engine): prefix-cache hit rate (prompt tokens served from the cache, ``num_cached_tokens``
 over prompt tokens), running peak (most requests in the running set after a ``schedule()``), preemptions,
@@ -38,16 +39,20 @@ from .serve_engine import Probe, free_engine, kv_bytes, scheduler_of, start_engi
 
 @dataclass(frozen=True)
 class PrefixConfig:
+    """The budget counts the pinned system prompt (``vllm_plugin.prefix``), so the questions are long enough that
+    the budget leaves room past it (at 0.5: about a third of a question's own tokens are kept)."""
+
     system_tokens: int = 1024
-    question_tokens: tuple[int, int] = (512, 768)
-    output_tokens: tuple[int, int] = (96, 160)
-    num_requests: int = 16
-    conversations: int = 6
-    turns: int = 3
-    message_tokens: tuple[int, int] = (128, 256)
-    answer_tokens: tuple[int, int] = (48, 96)
+    question_tokens: tuple[int, int] = (1536, 2048)
+    output_tokens: tuple[int, int] = (64, 96)
+    num_requests: int = 10
+    conversations: int = 4
+    turns: int = 2
+    message_tokens: tuple[int, int] = (1024, 1536)
+    answer_tokens: tuple[int, int] = (48, 64)
     policy: str = "h2o"
     ratio: float = 0.5
+    when: str = "chunks"  # evict after every prefill chunk: admitted on budget + a chunk (bench serve's H2O rows)
     rounds: int = 3
     vanilla_target: int = 3
     block_size: int = 32
@@ -57,8 +62,8 @@ class PrefixConfig:
     seed: int = 0
 
 
-QUICK = PrefixConfig(question_tokens=(384, 512), output_tokens=(64, 96), num_requests=10, conversations=4, turns=2,
-                     message_tokens=(96, 160), answer_tokens=(32, 48), rounds=3)
+QUICK = PrefixConfig(system_tokens=512, question_tokens=(768, 1024), output_tokens=(48, 64), num_requests=8,
+                     conversations=3, turns=2, message_tokens=(512, 768), answer_tokens=(32, 48), rounds=3)
 
 
 @dataclass
@@ -194,7 +199,7 @@ def run_prefix_bench(model_dir: str, cfg: PrefixConfig, log: Any = print) -> dic
     max_len = max(longest_chat, cfg.system_tokens + cfg.question_tokens[1] + cfg.output_tokens[1]) + cfg.block_size
     evict = f"{cfg.policy}@{cfg.ratio:g}"
     engines = {"vanilla": None, "none": {"policy": "none", "device": "cpu"},
-               evict: {"policy": cfg.policy, "eviction_ratio": cfg.ratio, "device": "cpu"}}
+               evict: {"policy": cfg.policy, "eviction_ratio": cfg.ratio, "when": cfg.when, "device": "cpu"}}
     log(f"KV cache {blocks} blocks of {cfg.block_size}; system prompt {cfg.system_tokens} tokens; "
         f"{cfg.num_requests} shared-prefix requests, {cfg.conversations} x {cfg.turns}-turn chats; dtype "
         f"{resolve_dtype(cfg.dtype)}")

@@ -18,8 +18,8 @@ err = Console(stderr=True)
 
 
 def bench_prefix(
-    quick: Annotated[bool, typer.Option("--quick", help="10 shared-prefix requests and 4 two-turn chats, shorter "
-                                                        "questions and answers (about 10 minutes here)")] = False,
+    quick: Annotated[bool, typer.Option("--quick", help="a 512-token system prompt, 8 requests and 3 two-turn chats, "
+                                                        "shorter questions and answers")] = False,
     policy: Annotated[str, typer.Option(help="the evicting engine's shipped policy (uniform budgets)")] = "h2o",
     ratio: Annotated[float, typer.Option(min=0.0, max=0.95, help="its eviction ratio")] = 0.5,
     rounds: Annotated[int | None, typer.Option(min=1, help="interleaved rounds of the shared trace (default 3)")

@@ -25,19 +25,19 @@ def test_a_small_run_hits_the_shared_prompt_like_vanilla_and_frees_blocks(tmp_pa
     from vtoken_bench.models import smollm2_path
     from vtoken_bench.serve_prefix import PrefixConfig, run_prefix_bench
 
-    cfg = PrefixConfig(system_tokens=256, question_tokens=(160, 200), output_tokens=(24, 32), num_requests=6,
-                       conversations=2, turns=2, message_tokens=(48, 64), answer_tokens=(16, 24), rounds=2,
-                       dtype="float32", max_num_seqs=16)
+    cfg = PrefixConfig(system_tokens=256, question_tokens=(400, 500), output_tokens=(24, 32), num_requests=6,
+                       conversations=2, turns=2, message_tokens=(200, 260), answer_tokens=(16, 24), rounds=2,
+                       dtype="float32", max_num_seqs=16, chunk_tokens=256)
     r = run_prefix_bench(str(smollm2_path()), cfg, log=lambda m: None)
     assert {x["engine"] for x in r["rows"]} == {"vanilla", "none", "h2o@0.5"}
     assert len(r["rows"]) == 3 * (2 + 1) and len(r["overhead_none"]["ratios"]) == 2
     s = r["summary"]["shared"]["median"]
-    # 5 of 6 requests hit the 256-token system prompt: at least 5 x 256 of 6 x ~436 prompt tokens
-    assert s["vanilla"]["hit_rate"] > 0.45 and s["none"]["hit_rate"] == s["vanilla"]["hit_rate"]
+    # 5 of 6 requests hit the 256-token system prompt: about 5 x 256 of 6 x ~706 prompt tokens
+    assert s["vanilla"]["hit_rate"] > 0.25 and s["none"]["hit_rate"] == s["vanilla"]["hit_rate"]
     assert s["h2o@0.5"]["hit_rate"] >= s["vanilla"]["hit_rate"] - 0.05
     assert s["h2o@0.5"]["blocks_freed"] > 0 and s["vanilla"]["blocks_freed"] == 0
     c = r["summary"]["chat"]["median"]
-    assert c["vanilla"]["hit_rate"] > 0.5 and c["h2o@0.5"]["hit_rate"] > 0.4  # turn 2 hits turn 1 (pinned system)
+    assert c["vanilla"]["hit_rate"] > 0.3 and c["h2o@0.5"]["hit_rate"] > 0.1  # turn 2 hits turn 1 (pinned system)
 
 
 
