@@ -4,7 +4,7 @@ what the design promises (the system prompt is hit as often as vanilla hits it; 
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
 
 import pytest
 from typer.testing import CliRunner
@@ -20,10 +20,14 @@ def test_an_unknown_policy_is_exit_2_before_anything_runs() -> None:
 
 
 @pytest.mark.slow
-def test_a_small_run_hits_the_shared_prompt_like_vanilla_and_frees_blocks(tmp_path: Path) -> None:
+def test_a_small_run_hits_the_shared_prompt_like_vanilla_and_frees_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("vllm")
     from vtoken_bench.models import smollm2_path
+    from vtoken_bench.serve_config import ENV
     from vtoken_bench.serve_prefix import PrefixConfig, run_prefix_bench
+
+    for k, v in ENV.items():  # the benchmark sets its environment (VLLM_LOGGING_LEVEL=WARNING, ...): not for the
+        monkeypatch.setenv(k, os.environ.get(k, v))  # servers later tests start, which read vLLM's INFO lines
 
     cfg = PrefixConfig(system_tokens=256, question_tokens=(400, 500), output_tokens=(24, 32), num_requests=6,
                        conversations=2, turns=2, message_tokens=(200, 260), answer_tokens=(16, 24), rounds=2,
