@@ -97,8 +97,9 @@ class ExternalPool(BlockPool):
         out, self._feed = self._feed[:n], self._feed[n:]
         if self._shared:  # prefix-cache hits: held by another request (shared) or free here (cached, unowned)
             held = [b for b in out if self.refcount(b) > 0]
+            free = [b for b in out if b not in held]
             self.incref(held)
-            self.take([b for b in out if self.refcount(b) == 0 and b not in held])
+            self.take(free)
         else:
             self.take(out)  # InvariantError if vLLM handed out a block the token table still holds
         return out
@@ -496,9 +497,9 @@ class VTokenRunnerMixin:
     # ------------------------------------------------------------------ eviction
     def _vt_freeze(self, req_ids: Iterable[str]) -> None:
         """Prefix caching: before a step's eviction, each request's frozen prefix (:mod:`.prefix`: the blocks the
-        scheduler may have offered to the prefix cache, cache hits included) is pinned and kept out of the
-        budget. The rule is the scheduler's, on the same numbers: tokens computed before this step, and the
-        first position this request has evicted."""
+        scheduler may have offered to the prefix cache, cache hits included) is pinned (the budget still counts
+        it). The rule is the scheduler's, on the same numbers: tokens computed before this step, and the first
+        position this request has evicted."""
         cache, bs = self._vt_cache, self._vt_cache.block_size
         for rid in req_ids:
             before = cache.logical_len(rid) - self._vt_n_sched.get(rid, 0)
