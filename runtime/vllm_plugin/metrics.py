@@ -19,8 +19,10 @@ usable blocks: vLLM's ``num_gpu_blocks`` less its null block), ``vtoken_kv_block
 count, ``BlockPool.get_num_free_blocks``) and ``vtoken_kv_blocks_held`` (the blocks on the manager's request
 block lists). Two independent accounts of one pool: ``free + held == total`` whenever the scheduler is between
 steps, and ``free == total`` once nothing runs. The scheduler's block manager sets them at start-up and after
-every allocation, tail free and request free. In multiprocess mode they are ``mostrecent`` gauges (the value
-last written, by the engine-core process); in-process engines use the default registry.
+every allocation, tail free and request free. In multiprocess mode they are ``livesum`` gauges: the sum over
+the live processes that set them, the engine-core processes, one per data-parallel rank, each with its own
+pool (``--data-parallel-size 2``: both pools; ``mostrecent`` showed whichever rank wrote last, half the pool;
+``tests/vllm/test_vllm_dp.py``); in-process engines use the default registry.
 """
 
 from __future__ import annotations
@@ -80,11 +82,11 @@ def pool_gauges() -> PoolGauges:
 
         _POOL = PoolGauges(
             Gauge("vtoken_kv_blocks_total", "Usable KV blocks of the scheduler's block pool (null block excluded)",
-                  multiprocess_mode="mostrecent"),
+                  multiprocess_mode="livesum"),
             Gauge("vtoken_kv_blocks_free", "Free KV blocks, as the block pool counts them",
-                  multiprocess_mode="mostrecent"),
+                  multiprocess_mode="livesum"),
             Gauge("vtoken_kv_blocks_held", "KV blocks on requests' block lists, as the vtoken block manager counts them",
-                  multiprocess_mode="mostrecent"),
+                  multiprocess_mode="livesum"),
         )
     return _POOL
 
