@@ -79,6 +79,7 @@ class EvictingAttentionManager(FullAttentionManager):
         self.blocks_freed = 0  # every block truncate freed
         self.blocks_kept_freed = 0  # of those, the ones not taken back by the request's next allocation
         self._lent: dict[str, int] = {}  # blocks freed since the request's last allocation
+        self._siblings: list[Any] = []  # a hybrid model's other groups' managers (bind_siblings)
         counters()  # the vtoken_* counters exist (at 0) from start-up
         self._record_pool()  # and the block-pool gauges, at the empty pool's figures
 
@@ -101,11 +102,19 @@ class EvictingAttentionManager(FullAttentionManager):
     def held_blocks(self, request_id: str) -> int:
         return len(self.req_to_blocks.get(request_id, ()))
 
+    def bind_siblings(self, managers: Sequence[Any]) -> None:
+        """A hybrid model (:mod:`.kv_groups`): vLLM's managers of the other KV cache groups, which draw on the same
+        block pool; :meth:`pool_accounts` counts their blocks as held too."""
+        self._siblings = list(managers)
+
     def pool_accounts(self) -> tuple[int, int, int]:
         """``(total, free, held)``: the pool's usable blocks (its null block excluded), its own free count, and the
-        blocks on this manager's request lists. ``free + held == total`` between scheduler steps."""
+        blocks on the request lists of this manager and of its siblings (a hybrid model's sliding-window groups,
+        whose lists hold vLLM's null block for blocks past the window: not counted). ``free + held == total``
+        between scheduler steps."""
         total = self.block_pool.num_gpu_blocks - 1
         held = sum(len(b) for b in self.req_to_blocks.values())
+        held += sum(1 for m in self._siblings for bl in m.req_to_blocks.values() for b in bl if not b.is_null)
         return total, self.block_pool.get_num_free_blocks(), held
 
     def _record_pool(self) -> None:

@@ -115,6 +115,8 @@ def force_piecewise_graphs(compilation_config: Any, policy: Any) -> bool:
 class VTokenGPURunnerMixin(VTokenRunnerMixin):
     """The runner mixin with the GPU's K/V access (layout adapter + Triton copy engine) and guards."""
 
+    _vt_hybrid_ok = False  # one metadata for every KV cache group (the true-length builders are CPU-verified)
+
     def _vt_kv_access(self, kv: list[torch.Tensor], layer: Any, spec: Any) -> dict[str, Any]:
         from vtoken_runtime.kv_layout import KVLayoutAdapter, LayoutCopyEngine
 

@@ -34,6 +34,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from . import block_manager
 from .config import PluginConfig, request_options
+from .kv_groups import evicting_group
 
 log = logging.getLogger("vtoken.vllm")
 
@@ -67,17 +68,19 @@ class VTokenScheduler(Scheduler):
     def __init__(self, vllm_config: Any, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
         self._vt_cfg = PluginConfig.from_vllm_config(vllm_config)
         check_supported(vllm_config)
-        groups = kv_cache_config.kv_cache_groups
-        if len(groups) != 1:
-            raise ValueError(f"vtoken: only one KV cache group is supported, got {len(groups)}")
+        groups = list(kv_cache_config.kv_cache_groups)
+        gid = evicting_group(groups)  # the full-attention group; sliding-window groups keep vLLM's managers
         block_manager.register()
         # this scheduler's own copy: the group's role selects the evicting manager (the workers' is untouched)
-        kv_cache_config = replace(kv_cache_config, kv_cache_groups=[replace(groups[0], role=block_manager.VTOKEN_ROLE)])
+        groups[gid] = replace(groups[gid], role=block_manager.VTOKEN_ROLE)
+        kv_cache_config = replace(kv_cache_config, kv_cache_groups=groups)
         super().__init__(vllm_config, kv_cache_config, *args, **kwargs)
-        (mgr,) = self.kv_cache_manager.coordinator.single_type_managers
+        managers = self.kv_cache_manager.coordinator.single_type_managers
+        mgr = managers[gid]
         if not isinstance(mgr, block_manager.EvictingAttentionManager):
             raise RuntimeError(f"vtoken: vLLM built {type(mgr).__name__} for the vtoken KV cache group")
         self._vt_blocks: block_manager.EvictingAttentionManager = mgr
+        mgr.bind_siblings([m for i, m in enumerate(managers) if i != gid])
         self.vtoken_stats = {"reports": 0, "blocks_freed": 0, "max_running": 0}
         pol = self._vt_cfg.load_policy()
         self._vt_budget = pol.budget if pol is not None else None

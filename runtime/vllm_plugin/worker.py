@@ -33,6 +33,7 @@ row, unused.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -57,6 +58,7 @@ from vtoken_sdk.stats import ATTENTION_STATS, KVCACHE_STATS, QUERY_STATS
 from .collector import StepContext, VTokenAttentionImpl, build_step_index
 from .config import PluginConfig, RequestOptions, describe_policy, request_options
 from .heap import HeapTrimmer
+from .kv_groups import evicting_group
 from .metrics import record_step
 from .prefix import NEVER, first_evicted, frozen_in_place, frozen_tokens
 from .report import Truncation
@@ -110,6 +112,8 @@ class VTokenRunnerMixin:
     only adapts vLLM's metadata: eviction is :class:`~vtoken_runtime.eviction.EvictionDriver`'s and the
     statistics :class:`~vtoken_runtime.stats.StatsCollector`'s, shared with the HF adapter."""
 
+    _vt_hybrid_ok = True  # a hybrid model's sliding-window groups are left to vLLM (.kv_groups); GPU: refused
+
     # ------------------------------------------------------------------ setup
     def _vt_setup(self) -> None:
         cfg = PluginConfig.from_vllm_config(self.vllm_config)
@@ -138,6 +142,11 @@ class VTokenRunnerMixin:
         self._vt_rank = 0
         # pinned host -> device lengths; overwritten only after the step's sampling has synchronised
         self._vt_seq_lens = self._make_buffer(self.max_num_reqs, dtype=torch.int32)
+        # a hybrid model (.kv_groups): the full-attention group's index, and the true lengths the other groups'
+        # metadata builders read during a step (armed from _prepare_inputs to the step's sampling)
+        self._vt_group, self._vt_hybrid = 0, False
+        self._vt_true_lens = self._make_buffer(self.max_num_reqs, dtype=torch.int32)
+        self._vt_true_lens.armed = False
 
     @property
     def vtoken_counters(self) -> dict[str, float]:
@@ -156,18 +165,14 @@ class VTokenRunnerMixin:
         from vllm.config import get_layers_from_vllm_config
         from vllm.model_executor.layers.attention import Attention
         from vllm.model_executor.models.utils import extract_layer_index
-        from vllm.v1.kv_cache_interface import FullAttentionSpec
 
         from vtoken_runtime.cache import VTokenCache
 
         groups = kv_cache_config.kv_cache_groups
-        if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec):
-            raise ValueError("vtoken: only models with one full-attention KV cache group are supported "
-                             f"(got {[type(g.kv_cache_spec).__name__ for g in groups]})")
-        spec = groups[0].kv_cache_spec
-        if getattr(spec, "sliding_window", None):
-            raise ValueError("vtoken: sliding-window attention is not supported")
-        layers = get_layers_from_vllm_config(self.vllm_config, Attention, groups[0].layer_names)
+        gid = evicting_group(groups, hybrid=self._vt_hybrid_ok)  # the full-attention group (.kv_groups)
+        self._vt_group, self._vt_hybrid = gid, len(groups) > 1
+        spec = groups[gid].kv_cache_spec
+        layers = get_layers_from_vllm_config(self.vllm_config, Attention, groups[gid].layer_names)
         names = sorted(layers, key=extract_layer_index)
         kv = [self.compilation_config.static_forward_context[n].kv_cache for n in names]
         if isinstance(kv[0], list):  # older vLLM: one tensor per virtual engine
@@ -209,9 +214,38 @@ class VTokenRunnerMixin:
             layer = layers[n]
             if not isinstance(layer.impl, VTokenAttentionImpl):
                 layer.impl = VTokenAttentionImpl(layer.impl, self, i, hooks)
+        if self._vt_hybrid:
+            self._vt_true_length_builders(groups)
         if self._vt_rank == 0:
-            log.info("vtoken: %s; mode=%s; KV cache %d blocks x %d tokens, %d layers x %d KV heads on this rank",
-                     describe_policy(pol), self._vt_cfg.mode, nb, bs, len(names), H)
+            log.info("vtoken: %s; mode=%s; KV cache %d blocks x %d tokens, %d layers x %d KV heads on this rank%s",
+                     describe_policy(pol), self._vt_cfg.mode, nb, bs, len(names), H,
+                     f" (the full-attention layers; {len(groups) - 1} sliding-window group(s) left to vLLM)"
+                     if self._vt_hybrid else "")
+
+    def _vt_true_length_builders(self, groups: Any) -> None:
+        """A hybrid model: the sliding-window groups' metadata builders see the requests' true lengths (vLLM's
+        own), while ``seq_lens`` holds the full-attention group's cache lengths (:meth:`_prepare_inputs`). Each
+        builder of another group gets its ``build`` wrapped: during a step (the lengths armed by
+        ``_prepare_inputs``) its common metadata carries ``seq_lens`` / ``seq_lens_cpu_upper_bound`` /
+        ``max_seq_len`` of the true lengths; outside a step (vLLM's dummy and profiling runs) it is untouched."""
+        true = self._vt_true_lens
+
+        def wrap(build: Any) -> Any:
+            def true_length_build(common_prefix_len: int, cm: Any, *args: Any, **kwargs: Any) -> Any:
+                n = int(cm.num_reqs)
+                if true.armed and n <= true.np.shape[0]:
+                    cm = dataclasses.replace(cm, seq_lens=true.gpu[:n], seq_lens_cpu_upper_bound=true.cpu[:n],
+                                             max_seq_len=int(true.np[:n].max()) if n else 0)
+                return build(common_prefix_len, cm, *args, **kwargs)
+
+            return true_length_build
+
+        for g in range(len(groups)):
+            if g == self._vt_group:
+                continue
+            for ag in self.attn_groups[g]:
+                for b in ag.metadata_builders:
+                    b.build = wrap(b.build)
 
     def _vt_kv_access(self, kv: list[torch.Tensor], layer: Any, spec: Any) -> dict[str, Any]:
         """How the cache reaches vLLM's K/V tensors (``VTokenCache`` keyword arguments). CPU: the layout
@@ -275,6 +309,9 @@ class VTokenRunnerMixin:
             why = "per-row pages are built for vLLM's CPU worker only (the GPU backends are not wired yet)"
         elif self._vt_cfg.mode == "naive":
             why = "mode 'naive' holds every block with a live token; it has no per-row pages"
+        elif self._vt_hybrid:
+            why = ("the model has sliding-window KV cache groups (hybrid), and the row path's one page space spans "
+                   "every attention layer's cache")
         elif kv[0].dtype not in (torch.float32, torch.bfloat16, torch.float16):
             why = f"the KV cache holds {kv[0].dtype} (quantised); the row path writes plain values"
         else:
@@ -424,7 +461,13 @@ class VTokenRunnerMixin:
         ib = self.input_batch
         num_reqs = ib.num_reqs
         req_ids = list(ib.req_ids[:num_reqs])
-        bt = ib.block_table[0]
+        bt = ib.block_table[self._vt_group]
+        if self._vt_hybrid:  # the other groups' builders read the true lengths (_vt_true_length_builders)
+            tl = self._vt_true_lens
+            tl.np[:] = 0
+            tl.np[:num_reqs] = ib.num_computed_tokens_cpu[:num_reqs] + num_scheduled_tokens[:num_reqs]
+            tl.copy_to_gpu()
+            tl.armed = True
         qsl = self.query_start_loc.np[: num_reqs + 1]
         computed = ib.num_computed_tokens_cpu[:num_reqs]
         seq = place_new_tokens(cache, self._vt_pool, req_ids, num_scheduled_tokens, computed, bt.block_table.np,
@@ -481,6 +524,7 @@ class VTokenRunnerMixin:
     def sample_tokens(self, grammar_output: Any) -> Any:
         with discarded_cpu_generators_held(self):
             out = super().sample_tokens(grammar_output)  # type: ignore[misc]
+        self._vt_true_lens.armed = False
         self._vt_rowstep = None
         if self._vt_step is None or self._vt_cache is None:
             return out

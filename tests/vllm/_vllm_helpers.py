@@ -32,6 +32,28 @@ def make_tiny_model(path: Path, seed: int = 0) -> Path:
     return path
 
 
+HYBRID_LAYERS = ("sliding_attention", "full_attention", "sliding_attention", "full_attention")
+HYBRID_WINDOW = 48
+
+
+def make_tiny_hybrid(path: Path, seed: int = 0, layer_types: tuple[str, ...] = HYBRID_LAYERS) -> Path:
+    """A tiny random Gemma 3 (text) with sliding-window layers (``layer_types``, window :data:`HYBRID_WINDOW`):
+    vLLM gives it one KV cache group per attention type (head size 32, GQA 4:2, vocab 512)."""
+    if (path / "config.json").exists():
+        return path
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    c = Gemma3TextConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=len(layer_types),
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096,
+                         sliding_window=HYBRID_WINDOW, layer_types=list(layer_types), bos_token_id=256,
+                         eos_token_id=257, pad_token_id=257)
+    torch.manual_seed(seed)
+    m = Gemma3ForCausalLM(c)
+    m.config.torch_dtype = "float32"
+    m.save_pretrained(str(path))
+    return path
+
+
 def engine(model: str | Path, plugin: dict[str, Any] | None, *, max_model_len: int = 512, blocks: int = 64,
            max_num_seqs: int = 8, block_size: int = 32, tokenizer: bool = False, dtype: str = "float32",
            **kw: Any) -> Any:
@@ -112,8 +134,12 @@ def replay_masks(trace: list[tuple[int, int, np.ndarray]], total: int, num_layer
                  ) -> dict[int, torch.Tensor]:
     """From the engine trace (per step: first position, query count, live positions per row including the
     step's own tokens: ``[R, n]``, or a list of R arrays of unequal lengths for a request in per-row pages) build ``{layer: [Hkv, total, total] bool}``: query i sees key j iff j was live
-    when i was processed and j <= i."""
+    when i was processed and j <= i. A trace that starts past position 0 is a request whose first tokens were
+    prefix-cache hits: their K/V were computed, by the request that cached them, before any of its evictions
+    (the frozen prefix, ``vllm_plugin/prefix.py``), so the replay computes them over the whole causal prefix."""
     allow = torch.zeros(num_layers, num_kv_heads, total, total, dtype=torch.bool)
+    hit = min((s for s, _, _ in trace), default=0)
+    allow[:, :, :hit, :hit] = torch.ones(hit, hit, dtype=torch.bool).tril()
     for start, n, pos in trace:
         R = len(pos)
         for q in range(start, start + n):
@@ -192,6 +218,8 @@ def replay_gap(model: str | Path, trace: dict[str, list], ps: list[list[int]], o
                 t = s + n - len(p)
                 if 0 <= t < len(o):
                     row = lg[s + n - 1]
+                    if not bool(torch.isfinite(row).all()):  # a query with no key: the replay is not a check
+                        raise AssertionError(f"request {rid}: the HF replay's logits at {s + n - 1} are not finite")
                     worst = max(worst, float(row.max() - row[o[t]]))
                     checked += 1
     return worst, checked
