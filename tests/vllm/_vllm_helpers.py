@@ -204,16 +204,19 @@ def hf_session_generate(policy: str, ratio: float, prompt: list[int], max_tokens
 
 
 def replay_gap(model: str | Path, trace: dict[str, list], ps: list[list[int]], outs: list[list[int]], L: int,
-                H: int) -> tuple[float, int]:
+                H: int, masks: Any = None) -> tuple[float, int]:
     """Worst logit gap between each engine token and the argmax of the HF replay over the kept rows, and the
-    number of tokens checked."""
+    number of tokens checked. ``masks(segment, end)``: the replay's ``{layer: mask}`` (default
+    :func:`replay_masks` over ``L`` layers of ``H`` KV heads)."""
+    if masks is None:
+        masks = lambda seg, end: replay_masks(seg, end, L, H)  # noqa: E731
     rids = sorted(trace, key=lambda r: int(r.split("-")[0]))
     worst, checked = 0.0, 0
     for rid, p, o in zip(rids, ps, outs, strict=True):
         ids = p + o[:-1]
         for seg in segments(trace[rid]):
             end = max(s + n for s, n, _ in seg)
-            lg = hf_replay_logits(model, ids[:end], replay_masks(seg, end, L, H))
+            lg = hf_replay_logits(model, ids[:end], masks(seg, end))
             for s, n, _ in seg:
                 t = s + n - len(p)
                 if 0 <= t < len(o):

@@ -30,15 +30,13 @@ from tests.vllm._vllm_helpers import (  # noqa: E402
     HYBRID_WINDOW,
     engine,
     generate,
-    hf_replay_logits,
     make_tiny_hybrid,
     prompts,
+    replay_gap,
     replay_masks,
     runner,
     scheduler,
-    segments,
 )
-from vtoken_runtime.token_table import cdiv  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -63,41 +61,23 @@ def _masks(seg: list, end: int) -> dict[int, torch.Tensor]:
 
 
 def _replay(model: Path, trace: dict, ps: list[list[int]], outs: list[list[int]]) -> tuple[int, float]:
-    """Tokens checked against the HF replay, and the worst logit gap (replay's max minus the engine token's)."""
-    rids = sorted(trace, key=lambda r: int(r.split("-")[0]))
-    checked, worst = 0, 0.0
-    for rid, p, o in zip(rids, ps, outs, strict=True):
-        ids = p + o[:-1]
-        for seg in segments(trace[rid]):
-            end = max(s + n for s, n, _ in seg)
-            lg = hf_replay_logits(model, ids[:end], _masks(seg, end))
-            for s, n, _ in seg:
-                t = s + n - len(p)
-                if 0 <= t < len(o):
-                    row = lg[s + n - 1]
-                    assert bool(torch.isfinite(row).all()), f"request {rid}: replay logits not finite"
-                    assert int(row.argmax()) == o[t], f"request {rid}: token {t} differs from the HF replay"
-                    worst = max(worst, float(row.max() - row[o[t]]))
-                    checked += 1
+    """Tokens checked against the HF replay (:func:`_masks`), and the worst logit gap."""
+    worst, checked = replay_gap(model, trace, ps, outs, len(FULL), 2, masks=_masks)
     return checked, worst
 
 
 def _watch(llm: object) -> list[str]:
-    sched, run = scheduler(llm), runner(llm)
-    bad: list[str] = []
+    """``test_vllm_plugin``'s check after every scheduler step (the full-attention group holds ``ceil(live /
+    bs)`` blocks, the scheduler's eviction count is the worker's), plus the shared pool's ``free + held ==
+    total`` over both groups."""
+    from tests.vllm.test_vllm_plugin import _watch_blocks
+
+    bad = _watch_blocks(llm, naive=False)
+    sched = scheduler(llm)
     orig = sched.update_from_output
 
     def wrapped(so, mro):  # noqa: ANN001, ANN202
         out = orig(so, mro)
-        cache = run.vtoken_cache
-        for rid, req in sched.requests.items():
-            if rid not in cache.table.requests or req.status.name != "RUNNING":
-                continue
-            want = cdiv(cache.live_tokens(rid), cache.block_size)
-            if sched.held_blocks(rid) != want:
-                bad.append(f"{rid}: full-attention group holds {sched.held_blocks(rid)} blocks, live needs {want}")
-            if sched.evicted_tokens(rid) != cache.logical_len(rid) - cache.cache_len(rid):
-                bad.append(f"{rid}: scheduler evicted {sched.evicted_tokens(rid)} != worker")
         total, free, held = sched._vt_blocks.pool_accounts()
         if free + held != total:
             bad.append(f"pool: free {free} + held {held} != total {total}")
