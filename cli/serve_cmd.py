@@ -94,9 +94,6 @@ def server_command(model: str, policy: str, mode: str, eviction_ratio: float | N
         name = a.split("=", 1)[0]
         if name in REFUSED:
             _usage(f"{name}: {REFUSED[name]}")
-    pp = _flag_value(vllm_args, "--pipeline-parallel-size") or _flag_value(vllm_args, "-pp")
-    if pp is not None and pp != "1":
-        _usage("--pipeline-parallel-size: pipeline parallelism is not supported (tensor parallelism is)")
     if "--model" in vllm_args:
         _usage("give the model as the first argument, not --model")
     looks_local = model.startswith((".", "/", "~")) or model.count("/") > 1  # "org/name" may be a hub id

@@ -100,6 +100,16 @@ class Collective(Protocol):
         rank (scalar statistics ``[B, L, H, N]`` and vectors such as keys ``[B, L, H, N, D]``)."""
         ...
 
+    # Pipeline parallelism: each stage holds some layers (``pp_size`` stages, see ``gather_layers``). Request-
+    # granularity statistics are gathered along the layer axis too (every stage scores the whole model), and
+    # ``any`` / ``max`` agree over every rank of every stage.
+    pp_size: int
+
+    def gather_layers(self, t: torch.Tensor) -> torch.Tensor:
+        """``[B, L_stage, H, *axes] -> [B, L_model, H, *axes]`` (along dim 1) in stage order, identical on every
+        stage."""
+        ...
+
     def any(self, flags: list[bool]) -> list[bool]:
         """Element-wise OR of ``flags`` over the ranks."""
         ...
@@ -150,8 +160,12 @@ class EvictionDriver:
 
     def __init__(self, cache: VTokenCache, followers: Sequence[VTokenCache] = (), record_keeps: bool = False,
                  collective: Collective | None = None, queries: QueryWindows | None = None,
-                 vector_chunk_bytes: int | None = None, handoff: Handoff | None = None) -> None:
+                 vector_chunk_bytes: int | None = None, handoff: Handoff | None = None, layer_base: int = 0,
+                 model_layers: int | None = None) -> None:
         self.cache = cache
+        # the cache's layer 0 is the model's layer ``layer_base`` of ``model_layers`` (a pipeline stage holds a
+        # contiguous run of layers): what ``s.layer`` / ``s.num_layers`` read
+        self.layer_base, self.model_layers = int(layer_base), model_layers
         self.handoff = handoff
         self.collective = collective
         self.queries = queries  # the query window store (query statistics), set by the adapter
@@ -412,12 +426,20 @@ class EvictionDriver:
                 # vLLM's CPU all-gather takes floating point only; positions < 2**24 are exact)
                 pos = col.gather_heads(torch.from_numpy(pos.astype(np.float32))).numpy().astype(np.int64)
                 pinned = col.gather_heads(torch.from_numpy(pinned.astype(np.float32))).numpy() > 0
+        layer_offset = self.layer_base + l0  # the model's index of the batch's first layer (s.layer)
+        if col is not None and policy.granularity == "request" and getattr(col, "pp_size", 1) > 1:
+            # pipeline stages: every stage scores every layer of the model, as one stage would
+            stats = {k: col.gather_layers(v) for k, v in stats.items()}
+            vectors = {k: col.gather_layers(v) for k, v in vectors.items()}
+            layer_offset = 0
         budget = [self.requests[r].budget.resolve(s) for r, s in zip(rs, seq, strict=True)]  # type: ignore[union-attr]
         dev = cache.device
         batch = StatsBatch(stats={k: v.to(dev) for k, v in stats.items()}, lengths=_up(ns, dev), positions=_up(pos, dev),
-                           seq_lens=_up(seq, dev), pinned=_up(pinned, dev), budget=_up(budget, dev), layer_offset=l0, head_offset=head_offset,
+                           seq_lens=_up(seq, dev), pinned=_up(pinned, dev), budget=_up(budget, dev),
+                           layer_offset=layer_offset, head_offset=head_offset,
                            vectors={k: v.to(dev) for k, v in vectors.items()},
-                           head_dim=cache.head_size if "head_dim" in policy.reads else None, num_layers=L)
+                           head_dim=cache.head_size if "head_dim" in policy.reads else None,
+                           num_layers=self.model_layers or L)
         return batch, ns
 
     def _hand_off(self, r: ReqId, keep: np.ndarray, report: StepReport

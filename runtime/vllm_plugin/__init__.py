@@ -87,11 +87,11 @@ def vllm_engine_args(policy: str | None = "none", mode: str = "compact", evictio
     if cuda and extra.get("enable_prefix_caching"):
         raise ValueError("vtoken: prefix caching with eviction runs in the CPU worker only (the GPU worker's "
                          "frozen prefix is not verified); leave enable_prefix_caching unset on CUDA")
+    if cuda and int(extra.get("pipeline_parallel_size") or 1) > 1:
+        raise ValueError("vtoken: pipeline parallelism runs in the CPU worker only (the GPU worker's stage "
+                         "agreement is not verified); leave pipeline_parallel_size at 1 on CUDA")
     if extra.get("async_scheduling"):
         raise ValueError("vtoken: async scheduling is not supported; leave async_scheduling unset")
-    if int(extra.get("pipeline_parallel_size") or 1) > 1:
-        raise ValueError("vtoken: pipeline parallelism is not supported (tensor parallelism is); "
-                         "leave pipeline_parallel_size at 1")
     additional = dict(extra.pop("additional_config", None) or {})
     additional["vtoken"] = cfg.to_dict()
     procs = [p for p in (extra.pop("logits_processors", None) or []) if p != FRONTEND_CLS]

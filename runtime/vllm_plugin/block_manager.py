@@ -191,18 +191,28 @@ class EvictingAttentionManager(FullAttentionManager):
         return self._intact.get(request_id, NEVER)
 
     # ------------------------------------------------------------------ eviction
-    def truncate(self, request_id: str, t: Truncation) -> int:
+    def truncate(self, request_id: str, t: Truncation, computed: int | None = None) -> int:
         """The worker evicted: the request now holds ``t.cache_len`` of ``t.true_len`` tokens. Records the
-        evicted count and frees the tail blocks beyond ``cdiv(t.cache_len, block_size)`` (tail first, as vLLM
-        frees). Returns the blocks freed; a request this manager no longer holds (finished or preempted since
-        the report was made) is ignored (0)."""
+        evicted count and frees the tail blocks beyond what it holds (tail first, as vLLM frees). Returns the
+        blocks freed; a request this manager no longer holds (finished or preempted since the report was made)
+        is ignored (0).
+
+        ``computed``: the request's ``num_computed_tokens`` now. vLLM counts a step's tokens when it schedules
+        them, so with more than one batch in flight (pipeline parallelism: the next prefill chunk is scheduled
+        before this report arrives) the request already has ``computed - t.true_len`` more tokens on the worker,
+        written after ``t.cache_len`` in the blocks that follow::
+
+            blocks kept = cdiv(t.cache_len + max(computed - t.true_len, 0), block_size)
+
+        (``computed == t.true_len`` when the report comes before the next ``schedule()``)."""
         blocks = self.req_to_blocks.get(request_id)
         if blocks is None:
             return 0
         if not 0 <= t.cache_len <= t.true_len:
             raise RuntimeError(f"vtoken: request {request_id} reports cache length {t.cache_len} for true "
                                f"length {t.true_len}")
-        keep = cdiv(int(t.cache_len), self.block_size)
+        ahead = max(int(computed) - int(t.true_len), 0) if computed is not None else 0
+        keep = cdiv(int(t.cache_len) + ahead, self.block_size)
         if keep < self.num_cached_block.get(request_id, 0):  # the worker froze what was offered: it cannot be
             raise RuntimeError(f"vtoken: request {request_id} reports cache length {t.cache_len}, which would free "
                                f"blocks offered to the prefix cache ({self.num_cached_block[request_id]})")

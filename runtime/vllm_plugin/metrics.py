@@ -99,14 +99,19 @@ def record_pool(total: int, free: int, held: int) -> None:
     g.held.set(held)
 
 
-def record_step(report: Any) -> None:
+def record_step(report: Any, rows_only: bool = False) -> None:
     """Add one :class:`~vtoken_runtime.eviction.StepReport` to the counters (all but ``blocks_freed``, which
-    the scheduler's block manager counts)."""
+    the scheduler's block manager counts). ``rows_only``: a later pipeline stage, which holds other layers'
+    rows of the same requests: only its row-token counts (``tokens_evicted``, ``tokens_moved``) add up; the
+    first stage counts the requests, failures and times."""
     c = counters()
     if report.evicted:
         c.tokens_evicted.inc(sum(report.evicted.values()))
-        c.evictions.inc(len(report.evicted))
         c.tokens_moved.inc(report.reclaim.tokens_moved)
+        if not rows_only:
+            c.evictions.inc(len(report.evicted))
+    if rows_only:
+        return
     if report.failed:
         c.policy_failures.inc(len(report.failed))
     c.reclaim_seconds.inc(report.reclaim_seconds)

@@ -56,10 +56,6 @@ def check_supported(vllm_config: Any) -> None:
         raise ValueError("vtoken: speculative decoding is not supported")
     if vllm_config.kv_transfer_config is not None:
         raise ValueError("vtoken: KV transfer connectors are not supported")
-    pc = vllm_config.parallel_config
-    if pc.pipeline_parallel_size > 1:
-        raise ValueError(f"vtoken: pipeline parallelism (pipeline_parallel_size={pc.pipeline_parallel_size}) is "
-                         "not supported; tensor parallelism is (ranks agree on every eviction)")
 
 
 class VTokenScheduler(Scheduler):
@@ -151,5 +147,7 @@ class VTokenScheduler(Scheduler):
         if report:
             self.vtoken_stats["reports"] += 1
             for rid, t in report.items():
-                self.vtoken_stats["blocks_freed"] += self._vt_blocks.truncate(rid, t)
+                req = self.requests.get(rid)
+                computed = int(req.num_computed_tokens) if req is not None else None
+                self.vtoken_stats["blocks_freed"] += self._vt_blocks.truncate(rid, t, computed)
         return super().update_from_output(scheduler_output, model_runner_output)

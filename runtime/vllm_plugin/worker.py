@@ -140,6 +140,7 @@ class VTokenRunnerMixin:
         self._vt_times = {"prepare_seconds": 0.0, "steps": 0}
         self._vt_heap = HeapTrimmer()  # RSS stays at the working set over a long run (see .heap)
         self._vt_rank = 0
+        self._vt_stage, self._vt_pp = 0, 1  # pipeline stage and stages (set with the cache)
         # pinned host -> device lengths; overwritten only after the step's sampling has synchronised
         self._vt_seq_lens = self._make_buffer(self.max_num_reqs, dtype=torch.int32)
         # a hybrid model (.kv_groups): the full-attention group's index, and the true lengths the other groups'
@@ -159,7 +160,20 @@ class VTokenRunnerMixin:
         super().initialize_kv_cache(kv_cache_config, *args, **kwargs)  # type: ignore[misc]
         if kwargs.get("is_profiling") or (args and args[0] is True):
             return
+        self._vt_intermediate_tensors()
         self._vt_build_cache(kv_cache_config)
+
+    def _vt_intermediate_tensors(self) -> None:
+        """A pipeline stage after the first receives the previous stage's hidden states into buffers vLLM 0.32
+        allocates only in a dummy run, which its CPU runner makes only to warm up compilation: with
+        ``--enforce-eager`` every later stage failed its first step (``assert self.intermediate_tensors is not
+        None``, vanilla vLLM too). They are allocated here, as ``_dummy_run`` allocates them."""
+        from vllm.distributed.parallel_state import get_pp_group
+
+        if get_pp_group().is_first_rank or getattr(self, "intermediate_tensors", None) is not None:
+            return
+        self.intermediate_tensors = self.model.make_empty_intermediate_tensors(
+            batch_size=self.max_num_tokens, dtype=self.model_config.dtype, device=self.device)
 
     def _vt_build_cache(self, kv_cache_config: Any) -> None:
         from vllm.config import get_layers_from_vllm_config
@@ -183,7 +197,9 @@ class VTokenRunnerMixin:
         stat_names = tuple(sorted(pol.stored_reads)) if pol is not None else ()
         sched = self.vllm_config.scheduler_config
         self._vt_pool = ExternalPool(nb, debug=self._vt_cfg.debug)
-        self._vt_rank, collective = _tp_collective(pol)
+        self._vt_rank, collective = _rank_collective()
+        self._vt_stage = collective.pp_rank if collective is not None else 0  # pipeline stage
+        self._vt_pp = collective.pp_size if collective is not None else 1
         cache = VTokenCache(
             num_layers=len(names), num_kv_heads=H, head_size=d2 // 2, block_size=bs, num_blocks=nb,
             granularity=pol.granularity if pol is not None else "request",
@@ -202,7 +218,17 @@ class VTokenRunnerMixin:
             cache.add_pool_holder(self._vt_rows.held_block_ids)
             me = weakref.WeakMethod(self._vt_handoff)  # no cycle runner -> driver -> runner
             handoff = (lambda r, k: me()(r, k))  # noqa: E731
-        self._vt_driver = EvictionDriver(cache, collective=collective, queries=self._vt_queries, handoff=handoff)
+        staged = collective is not None and collective.pp_size > 1
+        if staged and self._vt_hybrid:
+            raise ValueError("vtoken: pipeline parallelism with a hybrid model (sliding-window KV cache groups) is not "
+                             "supported: a stage's full-attention layers are not one run of the model's layers")
+        first = extract_layer_index(names[0]) if staged else 0
+        if staged and [extract_layer_index(n) for n in names] != list(range(first, first + len(names))):
+            raise RuntimeError(f"vtoken: pipeline stage {collective.pp_rank} holds layers {names}, not one run")
+        self._vt_driver = EvictionDriver(cache, collective=collective, queries=self._vt_queries, handoff=handoff,
+                                         layer_base=first,
+                                         model_layers=int(self.model_config.get_total_num_hidden_layers())
+                                         if staged else None)
         if stat_names:
             self._vt_collector = StatsCollector(cache, stat_names, pol.spec.stats, Hq // H, keys=self._vt_stats_keys)
         col = self._vt_collector
@@ -309,6 +335,9 @@ class VTokenRunnerMixin:
             why = "per-row pages are built for vLLM's CPU worker only (the GPU backends are not wired yet)"
         elif self._vt_cfg.mode == "naive":
             why = "mode 'naive' holds every block with a live token; it has no per-row pages"
+        elif self._vt_pp > 1:
+            why = (f"pipeline parallelism ({self._vt_pp} stages) splits the layers, and a layer's counts are set "
+                   "over the model's rows")
         elif self._vt_hybrid:
             why = ("the model has sliding-window KV cache groups (hybrid), and the row path's one page space spans "
                    "every attention layer's cache")
@@ -576,8 +605,10 @@ class VTokenRunnerMixin:
             if self._vt_prefix:
                 self._vt_freeze(phases)
             step = self._vt_driver.step(list(phases), phases)
-            if self._vt_rank == 0:
-                record_step(step)
+            # TP rank 0 records (its stage's ranks evict alike); a later pipeline stage adds its layers' rows, but a
+            # request-granularity token is one row whatever the layers
+            if self._vt_rank == 0 and (self._vt_stage == 0 or cache.num_rows > 1):
+                record_step(step, rows_only=self._vt_stage > 0)
             naive = self._vt_cfg.mode == "naive"
             evicted = [rid for rid in step.evicted if cache.has_request(rid)]  # the same list on every rank
             intact = [-1] * len(evicted)
@@ -684,38 +715,51 @@ def _query_store(policy: Any, model_config: Any, num_layers: int, num_q_heads: i
     return store
 
 
-class TPCollective:
-    """:class:`~vtoken_runtime.eviction.Collective` over vLLM's tensor-parallel group (gloo on CPU)."""
+class RankCollective:
+    """:class:`~vtoken_runtime.eviction.Collective` over vLLM's tensor-parallel group and pipeline-parallel group
+    (gloo on CPU): heads are gathered over the TP ranks of a stage, layers over the stages; ``any`` / ``max``
+    agree over both (every rank of the engine)."""
 
-    def __init__(self, group: Any) -> None:
-        self.group = group
-        self.rank, self.world_size = int(group.rank_in_group), int(group.world_size)
+    def __init__(self, tp: Any, pp: Any) -> None:
+        self.tp, self.pp = tp, pp
+        self.rank, self.world_size = int(tp.rank_in_group), int(tp.world_size)
+        self.pp_rank, self.pp_size = int(pp.rank_in_group), int(pp.world_size)
+
+    def _groups(self) -> list[Any]:
+        return [g for g in (self.tp, self.pp) if g.world_size > 1]
 
     def gather_heads(self, t: torch.Tensor) -> torch.Tensor:
-        return self.group.all_gather(t.contiguous(), dim=2)
+        return self.tp.all_gather(t.contiguous(), dim=2) if self.world_size > 1 else t
+
+    def gather_layers(self, t: torch.Tensor) -> torch.Tensor:
+        return self.pp.all_gather(t.contiguous(), dim=1) if self.pp_size > 1 else t
 
     def any(self, flags: list[bool]) -> list[bool]:
         if not flags:
             return flags
         t = torch.tensor([1.0 if f else 0.0 for f in flags], dtype=torch.float32)
-        return (self.group.all_reduce(t) > 0).tolist()
+        for g in self._groups():
+            t = g.all_reduce(t)
+        return (t > 0).tolist()
 
     def max(self, values: list[int]) -> list[int]:
         if not values:
             return values
         # an all-gather (the group's all_reduce only sums) of float32 (the CPU all-gather's types; exact < 2**24)
         t = torch.tensor(values, dtype=torch.float32)
-        return [int(v) for v in self.group.all_gather(t[None], dim=0).max(dim=0).values.tolist()]
+        for g in self._groups():
+            t = g.all_gather(t[None], dim=0).max(dim=0).values
+        return [int(v) for v in t.tolist()]
 
 
-def _tp_collective(policy: Any) -> tuple[int, TPCollective | None]:
-    """``(tensor-parallel rank, collective or None at TP=1)``."""
+def _rank_collective() -> tuple[int, RankCollective | None]:
+    """``(tensor-parallel rank, collective or None with one rank)``."""
     from vllm.distributed import parallel_state
 
-    group = parallel_state.get_tp_group()
-    if group.world_size <= 1:
-        return group.rank_in_group, None
-    return group.rank_in_group, TPCollective(group)
+    tp, pp = parallel_state.get_tp_group(), parallel_state.get_pp_group()
+    if tp.world_size <= 1 and pp.world_size <= 1:
+        return tp.rank_in_group, None
+    return tp.rank_in_group, RankCollective(tp, pp)
 
 
 def install_runner(runner: Any, mixin: type) -> None:

@@ -226,3 +226,33 @@ def replay_gap(model: str | Path, trace: dict[str, list], ps: list[list[int]], o
                     worst = max(worst, float(row.max() - row[o[t]]))
                     checked += 1
     return worst, checked
+
+
+# ------------------------------------------------------------------------------ multi-process engines (TP, PP)
+def _start_trace(worker: Any) -> bool:  # runs in each worker process (collective_rpc)
+    worker.model_runner.vtoken_trace = {}
+    return True
+
+
+def _trace(worker: Any) -> dict:  # keyed by the request's index in the generate call (ids carry a random suffix)
+    return {rid.split("-")[0]: [(s, n, p.tolist() if isinstance(p, np.ndarray) else [x.tolist() for x in p])
+                                for s, n, p in steps]
+            for rid, steps in worker.model_runner.vtoken_trace.items()}
+
+
+def traced_run(model: str | Path, plugin: dict[str, Any], ps: list[list[int]], max_tokens: int = 20,
+               **kw: Any) -> tuple[list[list[int]], list[dict]]:
+    """Greedy outputs of ``ps`` on an engine with the vToken ``plugin`` (``kw``: engine arguments, e.g.
+    ``tensor_parallel_size``), and every worker's trace (one per rank, in rank order), the engine shut down."""
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc with a test function
+    llm = engine(model, plugin, **kw)
+    try:
+        llm.collective_rpc(_start_trace)
+        outs = generate(llm, ps, max_tokens=max_tokens)
+        traces = llm.collective_rpc(_trace)
+    finally:
+        del llm
+        import gc
+
+        gc.collect()
+    return outs, traces

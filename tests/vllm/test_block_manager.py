@@ -87,6 +87,23 @@ def test_without_a_bound_admission_needs_the_whole_sequence() -> None:
         assert (got is not None) == admitted, free
 
 
+def test_a_report_a_step_late_keeps_the_blocks_of_the_tokens_scheduled_since() -> None:
+    """Two batches in flight (pipeline parallelism): chunk 2 (32 tokens) is scheduled, with the eviction count
+    before chunk 1's report, and only then chunk 1's report (true length 96, cache length 40) arrives. The worker
+    already placed chunk 2 after its 40 kept tokens: 72 tokens, 5 blocks, must stay (cache length alone: 3)."""
+    kvm, mgr = _manager()
+    req = _request("r", 200)
+    assert kvm.allocate_slots(req, 96) is not None
+    req.num_computed_tokens = 96  # chunk 1 scheduled (vLLM counts it at schedule time)
+    assert kvm.allocate_slots(req, 32) is not None
+    req.num_computed_tokens = 128  # chunk 2 scheduled before chunk 1's report
+    assert mgr.held_blocks("r") == cdiv(128, BS) == 8
+    freed = mgr.truncate("r", Truncation(true_len=96, cache_len=40), computed=req.num_computed_tokens)
+    assert mgr.held_blocks("r") == cdiv(40 + 32, BS) == 5 and freed == 3
+    assert mgr.evicted_tokens("r") == 56  # then chunk 2's report: the worker holds 72, evicts to 50
+    assert mgr.truncate("r", Truncation(true_len=128, cache_len=50), computed=128) == 5 - cdiv(50, BS)
+
+
 def test_truncate_frees_the_tail_and_allocation_follows_the_cache_length() -> None:
     kvm, mgr = _manager()
     req = _request("r", 100)

@@ -222,7 +222,7 @@ def test_client_disconnect_mid_stream_returns_its_blocks(server: Server) -> None
     (["--policy", "nope"], "neither a shipped policy"),
     (["--mode", "sideways"], "unknown mode"),
     (["--async-scheduling"], "async scheduling"),
-    (["--pipeline-parallel-size", "2"], "pipeline parallelism"),
+    (["--speculative-config", "{}"], "speculative decoding is not supported"),
     (["--slack", "blocks"], "slack: got 'blocks'"),
 ])
 def test_bad_configuration_is_refused_at_once(tmp_path: Path, args: list[str], why: str) -> None:

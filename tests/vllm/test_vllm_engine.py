@@ -9,7 +9,6 @@ after it: both ranks must keep identical sets at every step, equal to the TP=1 r
 
 from __future__ import annotations
 
-import os
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from tests.vllm._vllm_helpers import engine, generate, make_tiny_model, metric, prompts  # noqa: E402
+from tests.vllm._vllm_helpers import engine, generate, make_tiny_model, metric, prompts, traced_run  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -38,33 +37,12 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("vllm_tp") / "tiny")
 
 
-def _start_trace(worker) -> bool:  # runs in each worker process (collective_rpc)
-    worker.model_runner.vtoken_trace = {}
-    return True
-
-
-def _trace(worker) -> dict:  # keyed by the request's index in the generate call (ids carry a random suffix)
-    return {rid.split("-")[0]: [(s, n, p.tolist()) for s, n, p in steps]
-            for rid, steps in worker.model_runner.vtoken_trace.items()}
-
-
 def _run(model: Path, policy: Path, tp: int, ps: list[list[int]]) -> tuple[list[list[int]], list[dict]]:
     kw = {"tensor_parallel_size": tp, "distributed_executor_backend": "mp"} if tp > 1 else {}
-    llm = engine(model, {"policy": str(policy), "mode": "compact"}, **kw)
-    try:
-        llm.collective_rpc(_start_trace)
-        outs = generate(llm, ps, max_tokens=20)
-        traces = llm.collective_rpc(_trace)
-    finally:
-        del llm
-        import gc
-
-        gc.collect()
-    return outs, traces
+    return traced_run(model, {"policy": str(policy), "mode": "compact"}, ps, **kw)
 
 
 def test_tp2_ranks_keep_identical_sets_equal_to_tp1(tiny: Path, tmp_path: Path) -> None:
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc with a test function
     policy = tmp_path / "h2o_request.py"
     policy.write_text(POLICY)
     ps = prompts([90, 130, 60], seed=3)

@@ -60,9 +60,9 @@ def _watch_cached_blocks(llm: Any) -> dict[str, Any]:
     mgr = sched._vt_blocks
     orig_update, orig_truncate = sched.update_from_output, mgr.truncate
 
-    def truncate(rid: str, t: Any) -> int:
+    def truncate(rid: str, t: Any, computed: int | None = None) -> int:
         seen["intact"][rid] = min(seen["intact"].get(rid, 1 << 62), t.intact)
-        return orig_truncate(rid, t)
+        return orig_truncate(rid, t, computed)
 
     def update(so: Any, mro: Any) -> Any:
         out = orig_update(so, mro)
