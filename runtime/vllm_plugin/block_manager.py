@@ -59,7 +59,7 @@ from .metrics import counters, record_pool
 from .prefix import NEVER, frozen_tokens
 from .report import Truncation
 
-VTOKEN_ROLE = "vtoken"  # the KV cache group role the vToken scheduler gives its (single) group
+VTOKEN_ROLE = "vtoken"  # the role the vToken scheduler gives the full-attention KV cache group (.kv_groups)
 
 
 class EvictingAttentionManager(FullAttentionManager):
