@@ -427,7 +427,7 @@ class EvictionDriver:
                 pos = col.gather_heads(torch.from_numpy(pos.astype(np.float32))).numpy().astype(np.int64)
                 pinned = col.gather_heads(torch.from_numpy(pinned.astype(np.float32))).numpy() > 0
         layer_offset = self.layer_base + l0  # the model's index of the batch's first layer (s.layer)
-        if col is not None and policy.granularity == "request" and getattr(col, "pp_size", 1) > 1:
+        if col is not None and policy.granularity == "request" and col.pp_size > 1:
             # pipeline stages: every stage scores every layer of the model, as one stage would
             stats = {k: col.gather_layers(v) for k, v in stats.items()}
             vectors = {k: col.gather_layers(v) for k, v in vectors.items()}
