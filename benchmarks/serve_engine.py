@@ -170,12 +170,14 @@ _RUN_IDS = iter(range(10**9))
 
 def run_trace(llm: Any, trace: Trace, arrivals: np.ndarray | None = None,
               slo: tuple[float, float] | None = None, max_misses: int | None = None,
-              clock: str = "wall", record_steps: bool = False) -> RunResult:
+              clock: str = "wall", record_steps: bool = False,
+              extra_args: dict[str, Any] | None = None) -> RunResult:
     """Drive ``llm.llm_engine.step()`` over ``trace``: request ``i`` is added once ``arrivals[i]`` has passed
     on ``clock`` (see :class:`ServingClock`; None: everything at t=0, a closed loop). TTFT and TPOT are
     read on the same clock. With ``slo=(ttft_s, tpot_s)`` and ``max_misses``, the run stops (aborting what
     is left) as soon as more than ``max_misses`` requests have certainly missed. ``record_steps``: fill
-    ``RunResult.steps`` (what each step computed and cost, the plugin's share apart)."""
+    ``RunResult.steps`` (what each step computed and cost, the plugin's share apart). ``extra_args``: every
+    request's ``SamplingParams.extra_args`` (e.g. ``{"vtoken": {"pinned_spans": [0, 1024]}}``)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -201,7 +203,7 @@ def run_trace(llm: Any, trace: Trace, arrivals: np.ndarray | None = None,
             rid = f"r{run_id}-{nxt}"
             index[rid] = nxt
             eng.add_request(rid, TokensPrompt(prompt_token_ids=p),
-                            SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True))
+                            SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, extra_args=extra_args))
             nxt += 1
         if not eng.has_unfinished_requests():
             clk.wait_until(float(arr[nxt]))

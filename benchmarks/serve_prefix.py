@@ -21,6 +21,9 @@ Figures per (trace, engine): prefix-cache hit rate (prompt tokens served from th
 over prompt tokens), running peak (most requests in the running set after a ``schedule()``), preemptions,
 closed-loop throughput (requests and output tokens per second on this process's CPU clock), and blocks
 freed by eviction. The KV cache holds the system prompt plus ``vanilla_target + 0.5`` requests' own tokens.
+
+Goodput (``goodput=True``, :func:`prefix_goodput`): the shared trace open loop, Poisson arrivals, vanilla and the
+evicting engine searched in turn under SLOs set from vanilla's requests run alone.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -60,10 +63,25 @@ class PrefixConfig:
     max_num_seqs: int = 32
     dtype: str = "auto"
     seed: int = 0
+    # goodput on the shared trace (open loop, Poisson arrivals): its own requests (the same system prompt, new
+    # questions), SLOs from vanilla's requests run alone (factor x mean TTFT / TPOT), the searches of vanilla
+    # and the evicting engine in turn (serve_slo.search_goodput_paired), then ``goodput_confirm`` rotated rounds
+    # of both at both goodputs found
+    goodput: bool = True
+    goodput_requests: int = 16
+    ttft_slo_factor: float = 5.0
+    tpot_slo_factor: float = 3.0
+    slo_attainment: float = 0.9
+    rate_factor: float = 2.0
+    max_ladder: int = 4
+    bisect_steps: int = 1
+    goodput_confirm: int = 1
+    clock: str = "cpu"  # TTFT / TPOT / arrivals on this process's CPU clock (serve_engine.ServingClock)
 
 
 QUICK = PrefixConfig(system_tokens=512, question_tokens=(768, 1024), output_tokens=(48, 64), num_requests=8,
-                     conversations=3, turns=2, message_tokens=(512, 768), answer_tokens=(32, 48), rounds=3)
+                     conversations=3, turns=2, message_tokens=(512, 768), answer_tokens=(32, 48), rounds=3,
+                     goodput_requests=10, max_ladder=3)
 
 
 @dataclass
@@ -73,6 +91,8 @@ class Shared:
     outputs: list[int]
     messages: list[list[list[int]]]  # [conversation][turn]
     answers: list[list[int]]
+    gp_questions: list[list[int]] = field(default_factory=list)  # the goodput trace's own questions
+    gp_outputs: list[int] = field(default_factory=list)
 
 
 def make_traces(model_dir: str, cfg: PrefixConfig) -> Shared:
@@ -87,10 +107,14 @@ def make_traces(model_dir: str, cfg: PrefixConfig) -> Shared:
     ml = [int(x) for x in g.integers(cfg.message_tokens[0], cfg.message_tokens[1] + 1, cfg.conversations * cfg.turns)]
     al = [[int(x) for x in g.integers(cfg.answer_tokens[0], cfg.answer_tokens[1] + 1, cfg.turns)]
           for _ in range(cfg.conversations)]
-    texts = essay_token_requests(tok, [cfg.system_tokens, *ql, *ml], 1, offset=cfg.seed * 7919 + 101)
-    system, qs, ms = texts[0], texts[1:1 + len(ql)], texts[1 + len(ql):]
+    n_gp = cfg.goodput_requests if cfg.goodput else 0  # drawn after the closed-loop traces: those stay as they were
+    gql = [int(x) for x in g.integers(cfg.question_tokens[0], cfg.question_tokens[1] + 1, n_gp)]
+    gol = [int(x) for x in g.integers(cfg.output_tokens[0], cfg.output_tokens[1] + 1, n_gp)]
+    texts = essay_token_requests(tok, [cfg.system_tokens, *ql, *ml, *gql], 1, offset=cfg.seed * 7919 + 101)
+    system, qs = texts[0], texts[1:1 + len(ql)]
+    ms, gqs = texts[1 + len(ql):1 + len(ql) + len(ml)], texts[1 + len(ql) + len(ml):]
     msgs = [ms[c * cfg.turns:(c + 1) * cfg.turns] for c in range(cfg.conversations)]
-    return Shared(system, qs, ol, msgs, al)
+    return Shared(system, qs, ol, msgs, al, gqs, gol)
 
 
 def kv_blocks(cfg: PrefixConfig, tr: Shared) -> int:
@@ -220,6 +244,8 @@ def run_prefix_bench(model_dir: str, cfg: PrefixConfig, log: Any = print) -> dic
                 for name in ("vanilla", "none", evict):
                     rows.append({"trace": trace, "round": r, "engine": name, **got[name].row()})
                     log(f"{trace} round {r} {name}: {rows[-1]}")
+        goodput = prefix_goodput({"vanilla": llms["vanilla"], evict: llms[evict]}, evict, cfg, tr, log) \
+            if cfg.goodput else None
     finally:
         for llm in llms.values():
             free_engine(llm)
@@ -227,7 +253,7 @@ def run_prefix_bench(model_dir: str, cfg: PrefixConfig, log: Any = print) -> dic
             "rows": rows, "overhead_none": {"ratios": [round(x, 4) for x in overhead],
                                             "median": round(statistics.median(overhead), 4),
                                             "min": round(min(overhead), 4), "max": round(max(overhead), 4)},
-            "summary": summarize(rows, evict)}
+            "summary": summarize(rows, evict), "goodput": goodput}
 
 
 def summarize(rows: list[dict[str, Any]], evict: str) -> dict[str, Any]:
@@ -245,3 +271,94 @@ def summarize(rows: list[dict[str, Any]], evict: str) -> dict[str, Any]:
                       "running_peak_x": round(e["max_running"] / v["max_running"], 3) if v["max_running"] else None,
                       "rps_x": round(e["rps"] / v["rps"], 3) if v["rps"] else None}
     return out
+
+
+# --------------------------------------------------------------------------- goodput on the shared trace
+
+
+def _reset_cache(llm: Any) -> None:
+    if not llm.reset_prefix_cache():
+        raise RuntimeError("vLLM refused to reset the prefix cache (requests still running)")
+
+
+def prefix_goodput(llms: dict[str, Any], evict: str, cfg: PrefixConfig, tr: Shared,
+                   log: Any = print) -> dict[str, Any]:
+    """Goodput (DistServe's: the highest Poisson rate at which ``slo_attainment`` of the requests meet both the
+    TTFT and the TPOT SLO) of ``llms`` (``vanilla`` and the evicting engine ``evict``) on the shared trace's
+    goodput requests: the system prompt plus a question of their own each.
+
+    * SLOs: ``ttft_slo_factor`` / ``tpot_slo_factor`` x vanilla's mean TTFT / TPOT with each request run alone
+      and the system prompt already in its prefix cache (a deployment's steady state);
+    * every probe starts from an empty prefix cache (its first request computes the system prompt; the others
+      hit it) and runs the same arrival pattern scaled to its rate; the evicting engine's requests pin the
+      system prompt, as in the closed-loop runs; a probe stops once more requests missed than allowed;
+    * the searches run in turn (:func:`serve_slo.search_goodput_paired`: same rates, order rotated), from
+      ``1 / TTFT`` (the prefill-bound rate) down to ``0.25 / unloaded end-to-end`` (below it requests rarely
+      overlap), then ``goodput_confirm`` rotated rounds of every engine at every goodput found.
+
+    Returns ``{"slo", "unloaded", "engines": {label: {goodput_rps, bracket, saturated, probes, confirm}},
+    "goodput_x"}`` (``goodput_x``: the evicting engine's over vanilla's, None when vanilla's is 0)."""
+    from .serve_engine import run_trace
+    from .serve_slo import allowed_misses, attainment, miss_counts, poisson_arrivals, search_goodput_paired
+
+    trace = [(tr.system + q, m) for q, m in zip(tr.gp_questions, tr.gp_outputs, strict=True)]
+    if not trace:
+        raise ValueError("goodput_requests=0: no goodput trace")
+    pins = {"vtoken": {"pinned_spans": [0, len(tr.system)]}}
+    van = llms["vanilla"]
+    _reset_cache(van)
+    run_trace(van, trace[:1], clock=cfg.clock)  # the system prompt into the cache
+    alone = [run_trace(van, [item], clock=cfg.clock) for item in trace]
+    if any(r.ttft[0] is None or r.tpot[0] is None for r in alone):
+        raise RuntimeError("a request run alone produced no token")
+    ref_ttft = float(np.mean([r.ttft[0] for r in alone]))
+    ref_tpot = float(np.mean([r.tpot[0] for r in alone]))
+    slo = (cfg.ttft_slo_factor * ref_ttft, cfg.tpot_slo_factor * ref_tpot)
+    e2e = ref_ttft + (float(np.mean([m for _, m in trace])) - 1.0) * ref_tpot
+    start, floor = 1.0 / ref_ttft, 0.25 / e2e
+    log(f"goodput: SLOs TTFT {slo[0]:.2f}s ({cfg.ttft_slo_factor}x {ref_ttft:.2f}s), TPOT {1e3 * slo[1]:.0f}ms "
+        f"({cfg.tpot_slo_factor}x {1e3 * ref_tpot:.1f}ms), attainment {cfg.slo_attainment}, {len(trace)} requests "
+        f"per probe, rates from {start:.3f} rps (floor {floor:.3f})")
+    pattern = poisson_arrivals(len(trace), 1.0)
+    max_misses = allowed_misses(len(trace), cfg.slo_attainment)
+
+    def probe(label: str, rate: float) -> dict[str, Any]:
+        llm = llms[label]
+        _reset_cache(llm)
+        r = run_trace(llm, trace, pattern / rate, slo=slo, max_misses=max_misses, clock=cfg.clock,
+                      extra_args=pins if label == evict else None)
+        miss = miss_counts(r.ttft, r.tpot, *slo)
+        rec = {"rate_rps": round(rate, 4), "attainment": round(attainment(r.ttft, r.tpot, *slo), 3),
+               "aborted": r.aborted, "missed_ttft": miss["ttft"], "missed_tpot": miss["tpot"],
+               "running_peak": r.probe.max_running, "preemptions": r.probe.preemptions,
+               "blocks_freed": r.blocks_freed, "seconds": round(r.seconds, 1)}
+        log(f"  {label}: rate {rate:.3f} rps -> attainment {rec['attainment']:.2f} (missed TTFT {miss['ttft']}, "
+            f"TPOT {miss['tpot']} of {len(trace)}; running peak {rec['running_peak']})"
+            f"{' (stopped early)' if r.aborted else ''} [{r.seconds:.0f}s]")
+        return rec
+
+    probes: dict[str, list[dict[str, Any]]] = {k: [] for k in llms}
+
+    def search_probe(label: str, rate: float) -> float:
+        probes[label].append(probe(label, rate))
+        return float(probes[label][-1]["attainment"])
+
+    found = search_goodput_paired(search_probe, list(llms), start, cfg.slo_attainment, factor=cfg.rate_factor,
+                                  max_ladder=cfg.max_ladder, bisect_steps=cfg.bisect_steps, min_rate=floor)
+    engines = {k: {"goodput_rps": round(s.goodput, 4),
+                   "bracket": [round(s.bracket[0], 4), None if s.bracket[1] is None else round(s.bracket[1], 4)],
+                   "saturated": s.saturated, "probes": probes[k], "confirm": {}} for k, s in found.items()}
+    rates = sorted({s.goodput for s in found.values() if s.goodput > 0})
+    order = list(llms)
+    for _ in range(cfg.goodput_confirm if rates else 0):
+        for k in order:
+            for rate in rates:
+                engines[k]["confirm"].setdefault(f"{rate:.4f}", []).append(probe(k, rate)["attainment"])
+        order = order[1:] + order[:1]
+    v, e = engines["vanilla"]["goodput_rps"], engines[evict]["goodput_rps"]
+    log(f"goodput: vanilla {v} rps, {evict} {e} rps")
+    return {"slo": {"ttft_slo_s": round(slo[0], 3), "tpot_slo_s": round(slo[1], 4), "attainment": cfg.slo_attainment,
+                    "clock": cfg.clock},
+            "unloaded": {"ttft_s": round(ref_ttft, 3), "tpot_s": round(ref_tpot, 4), "e2e_s": round(e2e, 3),
+                         "start_rps": round(start, 4), "floor_rps": round(floor, 4)},
+            "requests": len(trace), "engines": engines, "goodput_x": round(e / v, 3) if v else None}

@@ -26,17 +26,23 @@ def bench_prefix(
                       ] = None,
     system_tokens: Annotated[int | None, typer.Option(min=32, help="the shared system prompt (default 1024)")
                              ] = None,
+    goodput: Annotated[bool, typer.Option("--goodput/--no-goodput",
+                                          help="also search goodput on the shared trace (open loop, SLOs from "
+                                               "vanilla's requests alone; about 15 min, --quick about 8)")] = True,
+    goodput_requests: Annotated[int | None, typer.Option(min=4, help="requests per goodput probe (default 16, "
+                                                                      "quick 10)")] = None,
     as_json: Annotated[Path | None, typer.Option("--json", help="write the JSON report here")] = None,
 ) -> None:
     """Prefix caching on: a shared system prompt and multi-turn chats, vanilla vLLM (prefix caching on) against
     vToken with policy none (overhead, interleaved) and an evicting policy (the system prompt pinned): hit rate,
-    running peak, closed-loop throughput."""
+    running peak, closed-loop throughput, and goodput under TTFT / TPOT SLOs."""
     from vtoken_bench.models import smollm2_path
     from vtoken_bench.serve_prefix import QUICK, PrefixConfig, run_prefix_bench
 
     cfg = QUICK if quick else PrefixConfig()
     cfg = replace(cfg, policy=policy, ratio=ratio, rounds=rounds or cfg.rounds,
-                  system_tokens=system_tokens or cfg.system_tokens)
+                  system_tokens=system_tokens or cfg.system_tokens, goodput=goodput,
+                  goodput_requests=goodput_requests or cfg.goodput_requests)
     import vtoken_policies
 
     if policy not in vtoken_policies.names():
@@ -65,6 +71,24 @@ def bench_prefix(
     o = result["overhead_none"]
     out.print(f"policy none / vanilla, CPU seconds of the shared trace, {len(o['ratios'])} interleaved rounds: "
               f"median {o['median']:.4f}x [{o['min']:.4f}, {o['max']:.4f}]")
+    gp = result.get("goodput")
+    if gp:
+        slo = gp["slo"]
+        g = Table(title=f"goodput, shared trace open loop ({gp['requests']} requests per probe, Poisson): SLOs TTFT "
+                        f"{slo['ttft_slo_s']}s, TPOT {1e3 * slo['tpot_slo_s']:.0f}ms, {slo['attainment']:.0%} of "
+                        f"requests, {slo['clock']} clock")
+        for c in ("engine", "goodput rps", "bracket", "vs vanilla", "probes: rps -> attainment (running peak)",
+                  "confirm"):
+            g.add_column(c, justify="right")
+        van = gp["engines"]["vanilla"]["goodput_rps"]
+        for eng, e in gp["engines"].items():
+            lo, hi = e["bracket"]
+            g.add_row(eng, f"{e['goodput_rps']:.3f}{'+' if e['saturated'] else ''}",
+                      f"[{lo:.3f}, {'-' if hi is None else f'{hi:.3f}'}]",
+                      f"{e['goodput_rps'] / van:.2f}x" if van else "-",
+                      ", ".join(f"{p['rate_rps']:.3f}->{p['attainment']:.2f} ({p['running_peak']})" for p in e["probes"]),
+                      "; ".join(f"{r}: {', '.join(f'{a:.2f}' for a in v)}" for r, v in e["confirm"].items()))
+        out.print(g)
     if as_json is not None:
         from vtoken_bench.experiments import write_json
 

@@ -31,7 +31,8 @@ def test_a_small_run_hits_the_shared_prompt_like_vanilla_and_frees_blocks(monkey
 
     cfg = PrefixConfig(system_tokens=256, question_tokens=(400, 500), output_tokens=(24, 32), num_requests=6,
                        conversations=2, turns=2, message_tokens=(200, 260), answer_tokens=(16, 24), rounds=2,
-                       dtype="float32", max_num_seqs=16, chunk_tokens=256)
+                       dtype="float32", max_num_seqs=16, chunk_tokens=256, goodput_requests=6, max_ladder=2,
+                       bisect_steps=0, goodput_confirm=1)
     r = run_prefix_bench(str(smollm2_path()), cfg, log=lambda m: None)
     assert {x["engine"] for x in r["rows"]} == {"vanilla", "none", "h2o@0.5"}
     assert len(r["rows"]) == 3 * (2 + 1) and len(r["overhead_none"]["ratios"]) == 2
@@ -42,6 +43,21 @@ def test_a_small_run_hits_the_shared_prompt_like_vanilla_and_frees_blocks(monkey
     assert s["h2o@0.5"]["blocks_freed"] > 0 and s["vanilla"]["blocks_freed"] == 0
     c = r["summary"]["chat"]["median"]
     assert c["vanilla"]["hit_rate"] > 0.3 and c["h2o@0.5"]["hit_rate"] > 0.1  # turn 2 hits turn 1 (pinned system)
+
+    # goodput: the searches probe the same rates from the same start, each goodput is a rate it probed and passed,
+    # vanilla meets SLOs of 5x / 3x its own unloaded latency at the lowest rates, and only the evicting engine
+    # frees blocks (it pins the system prompt as in the closed loop)
+    g = r["goodput"]
+    assert g["requests"] == 6 and g["slo"]["ttft_slo_s"] > 0 and g["slo"]["tpot_slo_s"] > 0
+    van, ev = g["engines"]["vanilla"], g["engines"]["h2o@0.5"]
+    assert van["probes"][0]["rate_rps"] == ev["probes"][0]["rate_rps"] == round(g["unloaded"]["start_rps"], 4)
+    for e in (van, ev):
+        passed = {p["rate_rps"] for p in e["probes"] if p["attainment"] >= 0.9}
+        assert e["goodput_rps"] == 0 or e["goodput_rps"] in passed
+        assert all(len(v) == 1 for v in e["confirm"].values())
+    assert van["goodput_rps"] > 0
+    assert all(p["blocks_freed"] == 0 for p in van["probes"]) and any(p["blocks_freed"] > 0 for p in ev["probes"])
+    assert g["goodput_x"] == round(ev["goodput_rps"] / van["goodput_rps"], 3)
 
 
 
