@@ -19,6 +19,11 @@ def test_an_unknown_policy_is_exit_2_before_anything_runs() -> None:
     assert res.exit_code == 2 and "--policy 'nope'" in res.output
 
 
+def test_too_few_goodput_requests_is_exit_2() -> None:
+    res = CliRunner().invoke(app, ["bench", "prefix", "--goodput-requests", "2"])
+    assert res.exit_code == 2 and "goodput-requests" in res.output
+
+
 @pytest.mark.slow
 def test_a_small_run_hits_the_shared_prompt_like_vanilla_and_frees_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("vllm")
