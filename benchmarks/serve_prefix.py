@@ -67,6 +67,7 @@ class PrefixConfig:
     # questions), SLOs from vanilla's requests run alone (factor x mean TTFT / TPOT), the searches of vanilla
     # and the evicting engine in turn (serve_slo.search_goodput_paired), then ``goodput_confirm`` rotated rounds
     # of both at both goodputs found
+    closed_loop: bool = True  # False: the goodput search alone (engines vanilla and POLICY@RATIO only)
     goodput: bool = True
     goodput_requests: int = 16
     ttft_slo_factor: float = 5.0
@@ -216,6 +217,9 @@ def run(llm: Any, tr: Shared, trace: str, pin: bool) -> Run:
 
 
 def run_prefix_bench(model_dir: str, cfg: PrefixConfig, log: Any = print) -> dict[str, Any]:
+    if not (cfg.closed_loop or cfg.goodput):
+        raise ValueError("closed_loop=False and goodput=False: nothing to run (drop --no-closed-loop or "
+                         "--no-goodput)")
     tr = make_traces(model_dir, cfg)
     blocks = kv_blocks(cfg, tr)
     longest_chat = max(len(tr.system) + sum(len(m) for m in ms) + sum(a) for ms, a in zip(tr.messages, tr.answers,
@@ -224,6 +228,8 @@ def run_prefix_bench(model_dir: str, cfg: PrefixConfig, log: Any = print) -> dic
     evict = f"{cfg.policy}@{cfg.ratio:g}"
     engines = {"vanilla": None, "none": {"policy": "none", "device": "cpu"},
                evict: {"policy": cfg.policy, "eviction_ratio": cfg.ratio, "when": cfg.when, "device": "cpu"}}
+    if not cfg.closed_loop:
+        del engines["none"]
     log(f"KV cache {blocks} blocks of {cfg.block_size}; system prompt {cfg.system_tokens} tokens; "
         f"{cfg.num_requests} shared-prefix requests, {cfg.conversations} x {cfg.turns}-turn chats; dtype "
         f"{resolve_dtype(cfg.dtype)}")
@@ -235,7 +241,7 @@ def run_prefix_bench(model_dir: str, cfg: PrefixConfig, log: Any = print) -> dic
             run(llm, Shared(tr.system, tr.questions[:1], [8], [], []), "shared", pin=name == evict)
         rows: list[dict[str, Any]] = []
         overhead: list[float] = []
-        for trace in ("shared", "chat"):
+        for trace in ("shared", "chat") if cfg.closed_loop else ():
             for r in range(cfg.rounds if trace == "shared" else 1):
                 order = ["vanilla", "none", evict] if r % 2 == 0 else [evict, "none", "vanilla"]
                 got = {name: run(llms[name], tr, trace, pin=name == evict) for name in order}
@@ -252,7 +258,8 @@ def run_prefix_bench(model_dir: str, cfg: PrefixConfig, log: Any = print) -> dic
     return {"config": {**asdict(cfg), "kv_blocks": blocks, "dtype": resolve_dtype(cfg.dtype)},
             "rows": rows, "overhead_none": {"ratios": [round(x, 4) for x in overhead],
                                             "median": round(statistics.median(overhead), 4),
-                                            "min": round(min(overhead), 4), "max": round(max(overhead), 4)},
+                                            "min": round(min(overhead), 4), "max": round(max(overhead), 4)}
+            if overhead else None,
             "summary": summarize(rows, evict), "goodput": goodput}
 
 

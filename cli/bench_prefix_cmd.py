@@ -29,6 +29,13 @@ def bench_prefix(
     goodput: Annotated[bool, typer.Option("--goodput/--no-goodput",
                                           help="also search goodput on the shared trace (open loop, SLOs from "
                                                "vanilla's requests alone; about 15 min, --quick about 8)")] = True,
+    closed_loop: Annotated[bool, typer.Option("--closed-loop/--no-closed-loop",
+                                              help="the closed-loop traces (--no-closed-loop: goodput alone)")
+                           ] = True,
+    ttft_slo_factor: Annotated[float | None, typer.Option(min=1.0, help="TTFT SLO = this x vanilla's unloaded mean "
+                                                                         "TTFT (default 5)")] = None,
+    tpot_slo_factor: Annotated[float | None, typer.Option(min=1.0, help="TPOT SLO = this x vanilla's unloaded mean "
+                                                                         "TPOT (default 3)")] = None,
     goodput_requests: Annotated[int | None, typer.Option(min=4, help="requests per goodput probe (default 16, "
                                                                       "quick 10)")] = None,
     as_json: Annotated[Path | None, typer.Option("--json", help="write the JSON report here")] = None,
@@ -42,7 +49,9 @@ def bench_prefix(
     cfg = QUICK if quick else PrefixConfig()
     cfg = replace(cfg, policy=policy, ratio=ratio, rounds=rounds or cfg.rounds,
                   system_tokens=system_tokens or cfg.system_tokens, goodput=goodput,
-                  goodput_requests=goodput_requests or cfg.goodput_requests)
+                  goodput_requests=goodput_requests or cfg.goodput_requests, closed_loop=closed_loop,
+                  ttft_slo_factor=ttft_slo_factor or cfg.ttft_slo_factor,
+                  tpot_slo_factor=tpot_slo_factor or cfg.tpot_slo_factor)
     import vtoken_policies
 
     if policy not in vtoken_policies.names():
@@ -67,10 +76,12 @@ def bench_prefix(
                       f"{m['rps']:.3f}", f"{m['tok_s']:.1f}", f"{m['blocks_freed']:g}",
                       f"{m['max_running'] / v['max_running']:.2f}x" if v["max_running"] else "-",
                       f"{m['rps'] / v['rps']:.2f}x" if v["rps"] else "-")
-    out.print(t)
+    if result["summary"]:
+        out.print(t)
     o = result["overhead_none"]
-    out.print(f"policy none / vanilla, CPU seconds of the shared trace, {len(o['ratios'])} interleaved rounds: "
-              f"median {o['median']:.4f}x [{o['min']:.4f}, {o['max']:.4f}]")
+    if o:
+        out.print(f"policy none / vanilla, CPU seconds of the shared trace, {len(o['ratios'])} interleaved rounds: "
+                  f"median {o['median']:.4f}x [{o['min']:.4f}, {o['max']:.4f}]")
     gp = result.get("goodput")
     if gp:
         slo = gp["slo"]

@@ -24,6 +24,11 @@ def test_too_few_goodput_requests_is_exit_2() -> None:
     assert res.exit_code == 2 and "goodput-requests" in res.output
 
 
+def test_neither_closed_loop_nor_goodput_is_exit_1_before_anything_runs() -> None:
+    res = CliRunner().invoke(app, ["bench", "prefix", "--no-closed-loop", "--no-goodput"])
+    assert res.exit_code == 1 and "nothing to run" in res.output
+
+
 @pytest.mark.slow
 def test_a_small_run_hits_the_shared_prompt_like_vanilla_and_frees_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("vllm")
