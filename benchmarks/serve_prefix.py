@@ -173,8 +173,7 @@ def run(llm: Any, tr: Shared, trace: str, pin: bool) -> Run:
     """One closed-loop run of ``trace`` (``shared`` or ``chat``) on ``llm`` with an empty prefix cache."""
     from vllm.inputs import TokensPrompt
 
-    if not llm.reset_prefix_cache():
-        raise RuntimeError("vLLM refused to reset the prefix cache (requests still running)")
+    _reset_cache(llm)
     eng, sched = llm.llm_engine, scheduler_of(llm)
     sched._bench_probe = probe = Probe()
     freed0 = int((getattr(sched, "vtoken_stats", None) or {}).get("blocks_freed", 0))
