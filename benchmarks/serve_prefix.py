@@ -305,6 +305,7 @@ def prefix_goodput(llms: dict[str, Any], evict: str, cfg: PrefixConfig, tr: Shar
     Returns ``{"slo", "unloaded", "engines": {label: {goodput_rps, bracket, saturated, probes, confirm}},
     "goodput_x"}`` (``goodput_x``: the evicting engine's over vanilla's, None when vanilla's is 0)."""
     from .serve_engine import run_trace
+    from .serve_goodput import unloaded
     from .serve_slo import allowed_misses, attainment, miss_counts, poisson_arrivals, search_goodput_paired
 
     trace = [(tr.system + q, m) for q, m in zip(tr.gp_questions, tr.gp_outputs, strict=True)]
@@ -314,11 +315,8 @@ def prefix_goodput(llms: dict[str, Any], evict: str, cfg: PrefixConfig, tr: Shar
     van = llms["vanilla"]
     _reset_cache(van)
     run_trace(van, trace[:1], clock=cfg.clock)  # the system prompt into the cache
-    alone = [run_trace(van, [item], clock=cfg.clock) for item in trace]
-    if any(r.ttft[0] is None or r.tpot[0] is None for r in alone):
-        raise RuntimeError("a request run alone produced no token")
-    ref_ttft = float(np.mean([r.ttft[0] for r in alone]))
-    ref_tpot = float(np.mean([r.tpot[0] for r in alone]))
+    tt, tp = unloaded(van, trace, cfg.clock)
+    ref_ttft, ref_tpot = float(np.mean(tt)), float(np.mean(tp))
     slo = (cfg.ttft_slo_factor * ref_ttft, cfg.tpot_slo_factor * ref_tpot)
     e2e = ref_ttft + (float(np.mean([m for _, m in trace])) - 1.0) * ref_tpot
     start, floor = 1.0 / ref_ttft, 0.25 / e2e
