@@ -50,12 +50,15 @@ PROMETHEUS_PREFIX = "vtoken-prometheus-"  # + the server's pid, under the tempor
 
 # flags the plugin sets or cannot run with: (flag, why)
 REFUSED = {
-    "--async-scheduling": "async scheduling is not supported (the scheduler needs each step's report)",
     "--scheduler-cls": "the plugin sets --scheduler-cls itself",
     "--worker-cls": "the plugin sets --worker-cls itself",
     "--additional-config": "the plugin sets --additional-config itself (use --policy / --mode / ...)",
     "--speculative-config": "speculative decoding is not supported",
     "--kv-transfer-config": "KV-transfer connectors are not supported",
+}
+# and on CUDA (the GPU worker; vLLM's CPU platform switches asynchronous scheduling off by itself)
+REFUSED_ON_CUDA = {
+    "--async-scheduling": "async scheduling with eviction runs in the CPU worker only (not verified on GPUs)",
 }
 
 
@@ -94,6 +97,8 @@ def server_command(model: str, policy: str, mode: str, eviction_ratio: float | N
         name = a.split("=", 1)[0]
         if name in REFUSED:
             _usage(f"{name}: {REFUSED[name]}")
+        if name in REFUSED_ON_CUDA and _cuda():
+            _usage(f"{name}: {REFUSED_ON_CUDA[name]}")
     if "--model" in vllm_args:
         _usage("give the model as the first argument, not --model")
     looks_local = model.startswith((".", "/", "~")) or model.count("/") > 1  # "org/name" may be a hub id

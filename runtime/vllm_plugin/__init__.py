@@ -76,7 +76,9 @@ def vllm_engine_args(policy: str | None = "none", mode: str = "compact", evictio
     (default: CUDA when torch sees a GPU). ``extra`` is merged (e.g. ``additional_config``). On CUDA a
     policy that reads statistics gets PIECEWISE CUDA graphs unless ``compilation_config`` is given (the
     GPU worker enforces it too; see ``gpu_worker``). Prefix caching keeps vLLM's default (on) in the CPU
-    worker (the cached prefix is frozen, docs/decisions.md decision 9) and is switched off on CUDA.
+    worker (the cached prefix is frozen, docs/decisions.md decision 9) and is switched off on CUDA; so does
+    asynchronous scheduling (the scheduler reads eviction reports a step late; vLLM's CPU platform switches it
+    off itself) and it is switched off on CUDA too.
     """
     cfg = PluginConfig(policy=policy, mode=mode, eviction_ratio=eviction_ratio, budget_tokens=budget_tokens,
                        policy_name=policy_name, debug=debug, when=when, slack=slack)
@@ -90,13 +92,14 @@ def vllm_engine_args(policy: str | None = "none", mode: str = "compact", evictio
     if cuda and int(extra.get("pipeline_parallel_size") or 1) > 1:
         raise ValueError("vtoken: pipeline parallelism runs in the CPU worker only (the GPU worker's stage "
                          "agreement is not verified); leave pipeline_parallel_size at 1 on CUDA")
-    if extra.get("async_scheduling"):
-        raise ValueError("vtoken: async scheduling is not supported; leave async_scheduling unset")
+    if cuda and extra.get("async_scheduling"):
+        raise ValueError("vtoken: async scheduling with eviction runs in the CPU worker only (the GPU worker's "
+                         "asynchronous outputs are not verified); leave async_scheduling unset on CUDA")
     additional = dict(extra.pop("additional_config", None) or {})
     additional["vtoken"] = cfg.to_dict()
     procs = [p for p in (extra.pop("logits_processors", None) or []) if p != FRONTEND_CLS]
     args = {"scheduler_cls": SCHEDULER_CLS, "worker_cls": GPU_WORKER_CLS if cuda else WORKER_CLS,
-            "async_scheduling": False, "additional_config": additional,
+            "additional_config": additional,
             "logits_processors": [FRONTEND_CLS, *procs]}  # validates per-request options at admission
     from vtoken_sdk.stats import ATTENTION_STATS, KV_STATS, QUERY_STATS
 
@@ -105,6 +108,7 @@ def vllm_engine_args(policy: str | None = "none", mode: str = "compact", evictio
         args["compilation_config"] = {"cudagraph_mode": "PIECEWISE"}  # statistics run around the attention op
     if cuda:
         args["enable_prefix_caching"] = False
+        args["async_scheduling"] = False
     elif pol is not None and not pol.spec.uniform:  # per-row pages repack the cached prefix too (scheduler)
         if extra.get("enable_prefix_caching"):
             raise ValueError("vtoken: prefix caching with a policy of unequal row budgets is not supported (its "
@@ -124,6 +128,7 @@ def serve_flags(**kw: Any) -> list[str]:
     pc = a.get("enable_prefix_caching")
     return ["--scheduler-cls", a["scheduler_cls"], "--worker-cls", a["worker_cls"],
             *({False: ["--no-enable-prefix-caching"], True: ["--enable-prefix-caching"]}.get(pc, [])),
-            "--no-async-scheduling", "--additional-config", json.dumps(a["additional_config"]),
+            *(["--no-async-scheduling"] if a.get("async_scheduling") is False else []),
+            "--additional-config", json.dumps(a["additional_config"]),
             "--logits-processors", *a["logits_processors"], "--middleware", HTTP_CHECK,
             *(["--compilation-config", json.dumps(a["compilation_config"])] if "compilation_config" in a else [])]

@@ -20,8 +20,9 @@ changes a block list:
     pop_blocks_for_free            finish and preemption (recompute) forget ``evicted`` with the blocks
     cache_blocks (prefix caching)  vLLM's offer of full blocks to the prefix cache, held back to the
                                    frozen prefix for requests that may evict (:mod:`.prefix`): a block is
-                                   offered one step after it is computed and only below the request's first
-                                   evicted position; what is left to offer is offered when the request
+                                   offered once the output of the step that computed it has arrived
+                                   (:meth:`step_scheduled` / :meth:`step_done`) and only below the request's
+                                   first evicted position; what is left to offer is offered when the request
                                    finishes or is preempted
 
 The pool's accounting is published as gauges (``vtoken_kv_blocks_total`` / ``_free`` / ``_held``, see
@@ -34,10 +35,12 @@ back at every step. ``blocks_kept_freed`` (and ``vtoken_blocks_freed_total``) co
 it stays freed: the blocks freed since the request's last allocation, less the blocks that allocation
 takes (settled at that allocation, or all of them when the request finishes or is preempted).
 
-The runner's copy of a truncated row follows through vLLM's own channel: the next scheduler output sends the
-request's whole block list the way a resumed request's is sent (:meth:`rows_to_resend`; the scheduler marks it
-resumed, the runner replaces its ``block_ids`` and rebuilds the row). A report names the true length its cache
-length refers to, so a report that arrives a step late (asynchronous scheduling) still gives the right count.
+The runner's copy of a truncated row follows through the scheduler output: the next one that schedules the request
+carries its whole block list (:meth:`rows_to_resend`; ``SchedulerOutput.vtoken_rows``, :mod:`.report`) and the
+runner replaces its row in place. (Sending it the way a resumed request's is sent, as this plugin once did, breaks
+under asynchronous scheduling: vLLM's runner then rebuilds the request's output tokens from the scheduler's copy,
+which lacks the tokens still in flight.) A report names the true length its cache length refers to, so a report
+that arrives a step late (asynchronous scheduling, pipeline parallelism) still gives the right count.
 
 vLLM builds this manager itself: the vToken scheduler gives its KV cache group the role :data:`VTOKEN_ROLE`
 and registers this class for that role (``KVCacheSpecRegistry.register_role_manager``, vLLM's registration
@@ -80,6 +83,7 @@ class EvictingAttentionManager(FullAttentionManager):
         self.blocks_kept_freed = 0  # of those, the ones not taken back by the request's next allocation
         self._lent: dict[str, int] = {}  # blocks freed since the request's last allocation
         self._siblings: list[Any] = []  # a hybrid model's other groups' managers (bind_siblings)
+        self._in_flight: list[tuple[Any, dict[str, int]]] = []  # (scheduler output, its tokens per request)
         counters()  # the vtoken_* counters exist (at 0) from start-up
         self._record_pool()  # and the block-pool gauges, at the empty pool's figures
 
@@ -169,11 +173,28 @@ class EvictingAttentionManager(FullAttentionManager):
         return super().pop_blocks_for_free(request_id)
 
     # ------------------------------------------------------------------ prefix caching
+    def step_scheduled(self, scheduler_output: Any) -> None:
+        """A step was scheduled: its tokens are in flight until :meth:`step_done` of the same output."""
+        self._in_flight.append((scheduler_output, dict(scheduler_output.num_scheduled_tokens)))
+
+    def step_done(self, scheduler_output: Any) -> None:
+        """The step's output (and its eviction report) has arrived."""
+        self._in_flight = [(so, n) for so, n in self._in_flight if so is not scheduler_output]
+
+    def in_flight_tokens(self, request_id: str) -> int:
+        """The request's tokens in steps scheduled whose output has not arrived (0 with synchronous scheduling
+        when the scheduler schedules; asynchronous scheduling and pipeline parallelism keep steps in flight)."""
+        return sum(n.get(request_id, 0) for _, n in self._in_flight)
+
     def _offerable(self, request: Any) -> int:
         """Tokens of the request's frozen prefix (:func:`~.prefix.frozen_tokens`): its blocks computed before
-        the step being scheduled, below its first evicted position."""
-        return frozen_tokens(int(request.num_computed_tokens), self._intact.get(request.request_id, NEVER),
-                             self.block_size)
+        the oldest step whose output has not arrived, below its first evicted position. vLLM counts a step's
+        tokens when it schedules it (``num_computed_tokens``); with steps in flight the worker may still evict in
+        blocks computed by them, and the first evicted position known here is the one reported before them, so
+        the tokens in flight are not counted: the worker freezes exactly this prefix at the oldest step in flight
+        (the same two numbers), which is what keeps an offered block from being evicted in."""
+        done = int(request.num_computed_tokens) - self.in_flight_tokens(request.request_id)
+        return frozen_tokens(max(done, 0), self._intact.get(request.request_id, NEVER), self.block_size)
 
     def cache_blocks(self, request: Any, num_tokens: int, retention_interval: int | None = None, *,
                      replay_boundaries: Sequence[int]) -> None:

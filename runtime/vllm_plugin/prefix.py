@@ -8,7 +8,9 @@ if its K/V is what a request without eviction would have computed and will stay 
   evicted or moved.
 
 So the scheduler offers a block only once the worker has had its chance to evict in it (one step after it was
-computed: the block's tokens were *computed before* the step being scheduled) and only below the request's
+computed: the block's tokens were *computed before* the oldest step whose output has not arrived; with
+asynchronous scheduling or pipeline parallelism the scheduler counts the tokens of the steps in flight in
+``num_computed_tokens`` and leaves them out here) and only below the request's
 first evicted position (``intact``, reported with every :class:`~.report.Truncation`); and the worker freezes
 what may have been offered before it evicts (pins it). Both use :func:`frozen_tokens` on the same two
 numbers::

@@ -1,9 +1,20 @@
-"""What the worker tells the scheduler after a step (``ModelRunnerOutput.vtoken_report``): one
-:class:`Truncation` per request evicted in the step. No vLLM import: both sides read it."""
+"""The two messages between the vToken scheduler and its workers, attributes on vLLM's own step objects (they
+travel with them, pickled, to and from worker processes). No vLLM import: both sides read it.
+
+    worker -> scheduler   ``ModelRunnerOutput.vtoken_report`` (:data:`REPORT_ATTR`): ``{req_id: Truncation}``,
+                          one per request evicted in the step
+    scheduler -> worker   ``SchedulerOutput.vtoken_rows`` (:data:`ROWS_ATTR`): ``{req_id: [block ids]}``, the
+                          whole block list of the evicting KV cache group for each scheduled request whose list
+                          shrank since it was last sent (this step's new blocks included, and left out of the
+                          step's ``new_block_ids``); the runner replaces its copy of the row in place
+"""
 
 from __future__ import annotations
 
 from typing import NamedTuple
+
+REPORT_ATTR = "vtoken_report"
+ROWS_ATTR = "vtoken_rows"
 
 
 class Truncation(NamedTuple):

@@ -10,8 +10,8 @@ registered for that role. This class only routes:
     update_from_output   the worker's report (``vtoken_report = {req_id: Truncation(true_len, cache_len)}``,
                          attached to the ModelRunnerOutput of the step) goes to ``manager.truncate``, which
                          frees the tail blocks; the next ``schedule()`` can admit more requests
-    schedule             a request whose block list shrank gets its whole list in the scheduler output, sent
-                         the way a resumed request's is (vLLM's runner then replaces its copy of the row)
+    schedule             a request whose block list shrank gets its whole list in the scheduler output
+                         (``vtoken_rows``, :mod:`.report`; the runner replaces its copy of the row in place)
     admission            the manager asks :meth:`VTokenScheduler.admission_tokens` for a waiting request's peak
 
 Preemption (recompute) and finishing free everything through vLLM as usual; the manager forgets the eviction
@@ -30,11 +30,13 @@ import logging
 from dataclasses import replace
 from typing import Any
 
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from . import block_manager
+from . import GPU_WORKER_CLS, block_manager
 from .config import PluginConfig, request_options
 from .kv_groups import evicting_group
+from .report import REPORT_ATTR, ROWS_ATTR
 
 log = logging.getLogger("vtoken.vllm")
 
@@ -49,9 +51,9 @@ def check_supported(vllm_config: Any) -> None:
                              "handoff to per-row pages repacks every block of the request, the cached prefix's "
                              "too); start the engine with enable_prefix_caching=False, or serve the policy's "
                              "uniform twin")
-    if getattr(sc, "async_scheduling", False):
-        raise ValueError("vtoken: async scheduling is not supported (the scheduler needs the step's eviction "
-                         "report before the next schedule()); set async_scheduling=False")
+    if getattr(sc, "async_scheduling", False) and vllm_config.parallel_config.worker_cls == GPU_WORKER_CLS:
+        raise ValueError("vtoken: async scheduling with the GPU worker is not verified (it runs in the CPU "
+                         "worker); set async_scheduling=False")
     if vllm_config.speculative_config is not None:
         raise ValueError("vtoken: speculative decoding is not supported")
     if vllm_config.kv_transfer_config is not None:
@@ -59,7 +61,16 @@ def check_supported(vllm_config: Any) -> None:
 
 
 class VTokenScheduler(Scheduler):
-    """vLLM v1 ``Scheduler`` whose KV cache manager allocates by cache length (see module doc)."""
+    """vLLM v1 ``Scheduler`` whose KV cache manager allocates by cache length (see module doc). With asynchronous
+    scheduling on, constructing it gives a :class:`VTokenAsyncScheduler` (vLLM picks its ``AsyncScheduler`` only
+    when no scheduler class is named, and the engine arguments name this one)."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> VTokenScheduler:
+        vllm_config = kwargs.get("vllm_config", args[0] if args else None)
+        if cls is VTokenScheduler and getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling",
+                                              False):
+            cls = VTokenAsyncScheduler
+        return super().__new__(cls)
 
     def __init__(self, vllm_config: Any, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
         self._vt_cfg = PluginConfig.from_vllm_config(vllm_config)
@@ -76,6 +87,7 @@ class VTokenScheduler(Scheduler):
         if not isinstance(mgr, block_manager.EvictingAttentionManager):
             raise RuntimeError(f"vtoken: vLLM built {type(mgr).__name__} for the vtoken KV cache group")
         self._vt_blocks: block_manager.EvictingAttentionManager = mgr
+        self._vt_gid = gid
         mgr.bind_siblings([m for i, m in enumerate(managers) if i != gid])
         self.vtoken_stats = {"reports": 0, "blocks_freed": 0, "max_running": 0}
         pol = self._vt_cfg.load_policy()
@@ -133,21 +145,38 @@ class VTokenScheduler(Scheduler):
     # ------------------------------------------------------------------ routing
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         out = super().schedule(*args, **kwargs)
+        self._vt_blocks.step_scheduled(out)
         self.vtoken_stats["max_running"] = max(self.vtoken_stats["max_running"], len(self.running))
         cached = out.scheduled_cached_reqs
         resend = self._vt_blocks.rows_to_resend(cached.req_ids)
-        for i, rid in enumerate(cached.req_ids):
-            if rid in resend:  # the runner replaces its row with the whole (truncated) list
-                cached.new_block_ids[i] = self.kv_cache_manager.get_block_ids(rid)
-                cached.resumed_req_ids.add(rid)
+        if resend:  # the runner replaces its row of the evicting group with the whole (truncated) list
+            gid, rows = self._vt_gid, {}
+            for i, rid in enumerate(cached.req_ids):
+                if rid in resend:
+                    rows[rid] = list(self.kv_cache_manager.get_block_ids(rid)[gid])  # this step's new blocks too
+                    new = cached.new_block_ids[i]
+                    if new is not None:  # so they are not appended a second time
+                        cached.new_block_ids[i] = tuple([] if g == gid else ids for g, ids in enumerate(new))
+            setattr(out, ROWS_ATTR, rows)
         return out
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
-        report = getattr(model_runner_output, "vtoken_report", None)
+        report = getattr(model_runner_output, REPORT_ATTR, None)
         if report:
             self.vtoken_stats["reports"] += 1
             for rid, t in report.items():
                 req = self.requests.get(rid)
                 computed = int(req.num_computed_tokens) if req is not None else None
                 self.vtoken_stats["blocks_freed"] += self._vt_blocks.truncate(rid, t, computed)
+        self._vt_blocks.step_done(scheduler_output)  # before vLLM's update, which may offer blocks (async)
         return super().update_from_output(scheduler_output, model_runner_output)
+
+
+class VTokenAsyncScheduler(VTokenScheduler, AsyncScheduler):
+    """:class:`VTokenScheduler` on vLLM's ``AsyncScheduler`` (asynchronous scheduling: step ``N + 1`` is scheduled
+    before step ``N``'s output arrives). Nothing of its own: the eviction report of step ``N`` reaches
+    ``update_from_output`` after step ``N + 1`` was scheduled with the blocks the request held before it, and
+    :meth:`~.block_manager.EvictingAttentionManager.truncate` keeps the blocks step ``N + 1``'s tokens are written
+    to (its ``computed``: vLLM counts a step's tokens when it schedules them); the truncated row reaches the
+    runner with step ``N + 2``. A block freed at report ``N`` is handed out at step ``N + 2`` at the earliest,
+    after the runner has finished step ``N + 1`` and fenced step ``N``'s compaction."""

@@ -22,7 +22,8 @@ only per-device piece is ``_vt_kv_access`` (how the cache reaches the K/V tensor
                         attention); ``{req_id: Truncation(true length, cache length)}`` is attached to the
                         ModelRunnerOutput (``vtoken_report``) for the scheduler's block manager, which frees
                         the tail blocks; the next scheduler output sends this runner the truncated rows
-                        (as resumed requests' rows are sent). The worker edits no vLLM block list.
+                        (``vtoken_rows``, :mod:`.report`), which ``_update_states`` puts in place of its
+                        copies. The worker changes no block list of its own accord.
 
 Naive-Evict mode: the same decisions and the same (compacted, exact) attention, but the reported
 length follows the naive rule (a block is held while any token ever placed in it is live), so the
@@ -61,7 +62,7 @@ from .heap import HeapTrimmer
 from .kv_groups import evicting_group
 from .metrics import record_step
 from .prefix import NEVER, first_evicted, frozen_in_place, frozen_tokens
-from .report import Truncation
+from .report import REPORT_ATTR, ROWS_ATTR, Truncation
 from .step_inputs import place_new_tokens, true_positions
 
 log = logging.getLogger("vtoken.vllm")
@@ -478,7 +479,26 @@ class VTokenRunnerMixin:
                 self._vt_first_evicted.pop(rid, None)
                 self._vt_driver.remove(rid)
         self._vt_heap.maybe_trim(bool(scheduler_output.finished_req_ids))
+        rows_sent = getattr(scheduler_output, ROWS_ATTR, None)
+        if rows_sent:
+            self._vt_replace_rows(rows_sent)
         return super()._update_states(scheduler_output)  # type: ignore[misc]
+
+    def _vt_replace_rows(self, rows_sent: dict[str, list[int]]) -> None:
+        """The scheduler's whole block list of the evicting group for requests whose list shrank
+        (:data:`~.report.ROWS_ATTR`) replaces the runner's copy: the request state's list and, for a request in
+        the persistent batch, its block-table row (in place, before vLLM appends the step's other new blocks).
+        A request the runner does not hold is a broken invariant (the scheduler sends rows of scheduled,
+        already-known requests only)."""
+        g, ib = self._vt_group, self.input_batch
+        for rid, ids in rows_sent.items():
+            state = self.requests.get(rid)
+            if state is None:
+                raise RuntimeError(f"vtoken: the scheduler sent the block list of request {rid}, unknown to the runner")
+            state.block_ids[g][:] = ids
+            i = ib.req_id_to_index.get(rid)
+            if i is not None:
+                ib.block_table[g].add_row(ids, i)
 
     def _prepare_inputs(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> Any:
         out = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)  # type: ignore[misc]
@@ -559,12 +579,8 @@ class VTokenRunnerMixin:
             return out
         self._vt_step = None
         report = self._vt_after_step(self._vt_batch)
-        from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
-
-        if report and isinstance(out, ModelRunnerOutput) and out is not EMPTY_MODEL_RUNNER_OUTPUT:
-            out.vtoken_report = report  # type: ignore[attr-defined]
-        elif report:
-            log.warning("vtoken: eviction report could not be attached to %s", type(out).__name__)
+        if report:
+            return attach_report(out, report)
         return out
 
     # ------------------------------------------------------------------ eviction
@@ -643,6 +659,40 @@ class VTokenRunnerMixin:
             if rows is not None:
                 rows.check_invariants()
         return report
+
+
+def attach_report(out: Any, report: dict[str, Truncation]) -> Any:
+    """The step's eviction report on the runner's output (:data:`~.report.REPORT_ATTR`). Asynchronous scheduling:
+    the runner returns an ``AsyncModelRunnerOutput`` whose ``ModelRunnerOutput`` exists only once its copies
+    finish; it is wrapped so that the report is attached when the engine asks for the output (the scheduler then
+    reads it a step late, :meth:`~.block_manager.EvictingAttentionManager.truncate`)."""
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, AsyncModelRunnerOutput, ModelRunnerOutput
+
+    if isinstance(out, AsyncModelRunnerOutput):
+        return _ReportedOutput(out, report)
+    if isinstance(out, ModelRunnerOutput) and out is not EMPTY_MODEL_RUNNER_OUTPUT:
+        setattr(out, REPORT_ATTR, report)
+        return out
+    log.warning("vtoken: eviction report could not be attached to %s", type(out).__name__)
+    return out
+
+
+try:  # vLLM is optional for importing this module's helpers
+    from vllm.v1.outputs import AsyncModelRunnerOutput as _AsyncOutput
+except Exception:  # pragma: no cover - vLLM missing
+    _AsyncOutput = object  # type: ignore[assignment,misc]
+
+
+class _ReportedOutput(_AsyncOutput):  # type: ignore[misc,valid-type]
+    """An ``AsyncModelRunnerOutput`` whose ``get_output()`` carries the step's eviction report."""
+
+    def __init__(self, inner: Any, report: dict[str, Truncation]) -> None:
+        self._inner, self._report = inner, report
+
+    def get_output(self) -> Any:
+        out = self._inner.get_output()
+        setattr(out, REPORT_ATTR, self._report)
+        return out
 
 
 @contextlib.contextmanager

@@ -3,7 +3,9 @@ HF reference that replays exactly the key sets the engine attended (per layer an
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +79,30 @@ def engine(model: str | Path, plugin: dict[str, Any] | None, *, max_model_len: i
     return LLM(**args)
 
 
+@contextlib.contextmanager
+def cpu_async_scheduling() -> Iterator[None]:
+    """Engines built inside keep ``async_scheduling=True``. vLLM's CPU platform switches asynchronous scheduling
+    off in ``CpuPlatform.check_and_update_config`` ("async scheduling is not required on CPU"), one assignment;
+    the engine's asynchronous path itself (``AsyncScheduler``, the engine core's batch queue, the V1 runner's
+    ``AsyncGPUModelRunnerOutput``) runs on a CPU. This undoes that assignment while the engine's configuration is
+    checked (in this process: in-process engines only), so the plugin is tested under vLLM's real asynchronous
+    scheduling."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    orig = CpuPlatform.__dict__["check_and_update_config"]
+
+    def keep_async(cls: Any, vllm_config: Any) -> None:
+        want = vllm_config.scheduler_config.async_scheduling
+        orig.__func__(cls, vllm_config)
+        vllm_config.scheduler_config.async_scheduling = want
+
+    CpuPlatform.check_and_update_config = classmethod(keep_async)  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        CpuPlatform.check_and_update_config = orig  # type: ignore[method-assign]
+
+
 def core(llm: Any) -> Any:
     return llm.llm_engine.engine_core.engine_core
 
@@ -89,6 +115,40 @@ def runner(llm: Any) -> Any:
     ex = core(llm).model_executor
     w = ex.driver_worker
     return getattr(w, "worker", w).model_runner
+
+
+def watch_runner_rows(llm: Any) -> dict[str, Any]:
+    """After every state update of the runner: for each request in its persistent batch, its block-table row,
+    ``requests[rid].block_ids`` and the scheduler manager's list must agree, and no block may be on two requests'
+    rows (``bad`` lists what did not hold). Counts ``checked`` (rows of requests that have evicted) and
+    ``rows_sent`` (rows the scheduler sent in ``vtoken_rows``)."""
+    from vtoken_runtime.vllm_plugin.report import ROWS_ATTR
+
+    sched, run = scheduler(llm), runner(llm)
+    orig = run._update_states
+    seen: dict[str, Any] = {"bad": [], "checked": 0, "rows_sent": 0}
+
+    def wrapped(so: Any) -> Any:
+        out = orig(so)
+        ib = run.input_batch
+        bt = ib.block_table[0]
+        seen["rows_sent"] += len(getattr(so, ROWS_ATTR, None) or {})
+        owners: dict[int, str] = {}
+        for rid in list(ib.req_ids[: ib.num_reqs]):
+            row = ib.req_id_to_index[rid]
+            table = bt.block_table.np[row, : int(bt.num_blocks_per_row[row])].tolist()
+            ids = list(run.requests[rid].block_ids[0])
+            owner = list(sched.kv_cache_manager.get_block_ids(rid)[0])
+            if not owner == ids == table:
+                seen["bad"].append(f"{rid}: manager {owner}, block_ids {ids}, row {table}")
+            for b in table:
+                if owners.setdefault(b, rid) != rid:
+                    seen["bad"].append(f"block {b} on the rows of {owners[b]} and {rid}")
+            seen["checked"] += sched.evicted_tokens(rid) > 0
+        return out
+
+    run._update_states = wrapped
+    return seen
 
 
 def prompts(lengths: list[int], seed: int = 0, vocab: int = 512) -> list[list[int]]:

@@ -221,7 +221,6 @@ def test_client_disconnect_mid_stream_returns_its_blocks(server: Server) -> None
 @pytest.mark.parametrize("args, why", [
     (["--policy", "nope"], "neither a shipped policy"),
     (["--mode", "sideways"], "unknown mode"),
-    (["--async-scheduling"], "async scheduling"),
     (["--speculative-config", "{}"], "speculative decoding is not supported"),
     (["--slack", "blocks"], "slack: got 'blocks'"),
 ])

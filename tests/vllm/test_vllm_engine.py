@@ -97,35 +97,16 @@ def test_bad_requests_then_good_ones_in_process(tiny: Path) -> None:
 def test_runner_block_ids_follow_the_truncated_rows(tiny: Path) -> None:
     """The scheduler's block manager owns each request's block list; the runner's copies (its block-table row,
     and ``requests[rid].block_ids``, from which vLLM rebuilds the row when the request re-enters the persistent
-    batch) follow through the scheduler output: a request whose list shrank is sent its whole list, as a resumed
-    request's is. After every step's state update the three agree for every scheduled request, or freed blocks
-    would stay in (or come back into) the request's table."""
-    from tests.vllm._vllm_helpers import runner, scheduler
+    batch) follow through the scheduler output: a request whose list shrank is sent its whole list
+    (``SchedulerOutput.vtoken_rows``), which replaces the runner's row in place. After every step's state
+    update the three agree for every scheduled request, or freed blocks would stay in (or come back into) the
+    request's table; and no block is on two requests' rows."""
+    from tests.vllm._vllm_helpers import watch_runner_rows
 
     llm = engine(tiny, {"policy": "h2o", "mode": "compact"}, max_num_batched_tokens=48)
-    sched, run = scheduler(llm), runner(llm)
-    orig = run._update_states
-    seen: list[str] = []
-    checked, resent = [0], [0]
-
-    def wrapped(so):
-        out = orig(so)
-        ib = run.input_batch
-        bt = ib.block_table[0]
-        resent[0] += len(so.scheduled_cached_reqs.resumed_req_ids)
-        for rid in list(ib.req_ids[: ib.num_reqs]):
-            row = ib.req_id_to_index[rid]
-            table = bt.block_table.np[row, : int(bt.num_blocks_per_row[row])].tolist()
-            ids = list(run.requests[rid].block_ids[0])
-            owner = list(sched.kv_cache_manager.get_block_ids(rid)[0])
-            if not owner == ids == table:
-                seen.append(f"{rid}: manager {owner}, block_ids {ids}, row {table}")
-            checked[0] += sched.evicted_tokens(rid) > 0  # a request that has evicted
-        return out
-
-    run._update_states = wrapped
+    seen = watch_runner_rows(llm)
     generate(llm, prompts([100, 150, 70], seed=1), [40, 24, 33])
-    assert checked[0] > 20 and resent[0] > 0 and not seen, seen[:3]
+    assert seen["checked"] > 20 and seen["rows_sent"] > 0 and not seen["bad"], seen["bad"][:3]
 
 
 def test_a_seeded_request_survives_chunked_prefill_and_its_tokens_do_not_depend_on_the_chunking(tiny: Path) -> None:

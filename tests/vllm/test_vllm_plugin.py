@@ -318,8 +318,13 @@ def test_engine_args_and_serve_flags() -> None:
 
     a = vllm_engine_args(policy="scissorhands", mode="naive", eviction_ratio=0.7, device="cpu")
     assert a["additional_config"]["vtoken"]["mode"] == "naive" and "enable_prefix_caching" not in a  # vLLM's default
-    assert a["async_scheduling"] is False
+    assert "async_scheduling" not in a  # vLLM's default (its CPU platform switches it off by itself)
     assert vllm_engine_args(policy="h2o", device="cuda")["enable_prefix_caching"] is False  # not verified on GPUs
+    assert vllm_engine_args(policy="h2o", device="cuda")["async_scheduling"] is False  # nor this
+    assert "--no-async-scheduling" in serve_flags(policy="h2o", device="cuda")
+    assert "--no-async-scheduling" not in serve_flags(policy="h2o", device="cpu")
+    with pytest.raises(ValueError, match="async scheduling"):
+        vllm_engine_args(policy="h2o", device="cuda", async_scheduling=True)
     assert vllm_engine_args(policy="h2o", device="cpu", enable_prefix_caching=False)["enable_prefix_caching"] is False
     flags = serve_flags(policy="h2o", device="cpu")
     assert "--scheduler-cls" in flags and "--worker-cls" in flags
