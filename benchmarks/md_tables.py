@@ -1,4 +1,5 @@
-"""Render the JSON reports of ``vtoken-cli bench blocks`` / ``eval`` / ``bench serve`` as markdown tables.
+"""Render the JSON reports of ``vtoken-cli bench blocks`` / ``eval`` / ``bench serve`` / ``eval ruler`` as
+markdown tables.
 
     python benchmarks/md_tables.py results/bench_blocks.json [results/eval.json] [results/bench_serve.json]
 """
@@ -93,6 +94,34 @@ def serve(d: dict) -> str:
     return "\n".join(out)
 
 
+def ruler(d: dict) -> str:
+    """``eval ruler --json``: the method x ratio table of mean scores (both engines, :func:`mean_table`), the
+    answers the two engines gave alike per shared method (every ratio together), and the score per task at 0.5
+    (the full cache at 0)."""
+    from vtoken_bench.ruler_eval import mean_table
+
+    rows, cfg = d["rows"], d["config"]
+    header, body = mean_table(rows)
+    same: dict[str, list[int]] = {}
+    for a in d.get("agreement", []):
+        s = same.setdefault(a["method"], [0, 0])
+        s[0] += a["identical"]
+        s[1] += a["samples"]
+    out = [f"RULER at {cfg['context_tokens']} tokens, {cfg['model']}, {cfg['samples_per_task']} sample(s) x "
+           f"{len(cfg['tasks'])} task(s); mean score (0-100)\n",
+           "| " + " | ".join([*header, "same answer text"]) + " |", "|" + "---|" * (len(header) + 1)]
+    for row in body:
+        s = same.get(row[1])
+        out.append("| " + " | ".join([*row, f"{s[0]}/{s[1]}" if s and row[0] == "vtoken" else ""]) + " |")
+    tasks = list(cfg["tasks"])
+    out += ["", "Per task at 0.5 (full cache: ratio 0)\n", "| engine | method | " + " | ".join(tasks) + " |",
+            "|" + "---|" * (len(tasks) + 2)]
+    for e, m in dict.fromkeys((r["engine"], r["method"]) for r in rows):
+        cells = {r["task"]: r["score"] for r in rows if (r["engine"], r["method"]) == (e, m) and r["ratio"] in (0.0, 0.5)}
+        out.append(f"| {e} | {m} | " + " | ".join(f"{cells[t]:.0f}" if t in cells else "-" for t in tasks) + " |")
+    return "\n".join(out)
+
+
 def main() -> None:
     for p in sys.argv[1:]:
         d = json.loads(Path(p).read_text())
@@ -100,6 +129,8 @@ def main() -> None:
             print(blocks(d))
         elif "passkey_cases" in d:
             print(evaluation(d))
+        elif "rows" in d and "protocol" in d.get("config", {}):
+            print(ruler(d))
         else:
             print(serve(d))
         print()

@@ -108,6 +108,26 @@ def test_mean_table_and_plot(tmp_path: Path) -> None:
     assert (tmp_path / "r.png").stat().st_size > 10_000
 
 
+def test_markdown_tables_of_a_report() -> None:
+    """``benchmarks/md_tables.py`` renders an ``eval ruler --json`` report for docs/benchmarks.md: the mean
+    table (agreement summed over a method's ratios, on its vtoken row) and the per-task table at 0.5."""
+    from vtoken_bench.md_tables import ruler
+
+    ans = {**_answers("vtoken", FULL, 0.0, ["1234", "5678", "Paris"]),
+           **_answers("kvpress", FULL, 0.0, ["1234", "5678", "Paris"]),
+           **_answers("vtoken", "knorm", 0.5, ["1234", "no", "no"]), **_answers("kvpress", "knorm", 0.5, ["1234", "no", "x"]),
+           **_answers("vtoken", "knorm", 0.25, ["1234", "5678", "no"]),
+           **_answers("kvpress", "knorm", 0.25, ["1234", "5678", "no"])}
+    cfg = {"context_tokens": 2048, "samples_per_task": 2, "tasks": ["niah_single_1", "qa_1"], "model": "m",
+           "protocol": "query-agnostic"}
+    md = ruler({"config": cfg, "rows": score_rows(SAMPLES, ans), "agreement": agreement(ans)})
+    lines = md.splitlines()
+    assert "| engine | method | 0 (full) | 0.25 | 0.5 | mean over ratios | same answer text |" in lines
+    assert "| vtoken | knorm | 100.0 | 50.0 | 25.0 | 37.5 | 5/6 |" in lines  # 3/3 at 0.25, 2/3 at 0.5
+    assert "| kvpress | knorm | 100.0 | 50.0 | 25.0 | 37.5 |  |" in lines
+    assert "| vtoken | knorm | 50 | 0 |" in lines and "| kvpress | full | 100 | 100 |" in lines
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["--tasks", "niah_single_1,nope"], "--tasks nope"),
     (["--engines", "vllm"], "--engines"),
