@@ -75,7 +75,8 @@ def vllm_engine_args(policy: str | None = "none", mode: str = "compact", evictio
     every prefill chunk), ``slack`` its slack (evict once ``live > budget + slack``, or ``"block"``); ``device``: ``"cpu"`` | ``"cuda"`` picks the worker
     (default: CUDA when torch sees a GPU). ``extra`` is merged (e.g. ``additional_config``). On CUDA a
     policy that reads statistics gets PIECEWISE CUDA graphs unless ``compilation_config`` is given (the
-    GPU worker enforces it too; see ``gpu_worker``). Prefix caching keeps vLLM's default (on) in the CPU
+    GPU worker enforces it too; see ``gpu_worker``); so does a policy with unequal row budgets, which also gets
+    ``attention_backend="TRITON_ATTN"`` (per-row pages on the GPU need it, and ``VLLM_KV_CACHE_LAYOUT=HND``). Prefix caching keeps vLLM's default (on) in the CPU
     worker (the cached prefix is frozen, docs/decisions.md decision 9) and is switched off on CUDA; so does
     asynchronous scheduling (the scheduler reads eviction reports a step late; vLLM's CPU platform switches it
     off itself) and it is switched off on CUDA too.
@@ -104,8 +105,12 @@ def vllm_engine_args(policy: str | None = "none", mode: str = "compact", evictio
     from vtoken_sdk.stats import ATTENTION_STATS, KV_STATS, QUERY_STATS
 
     collected = set(ATTENTION_STATS) | set(KV_STATS) | set(QUERY_STATS)  # gpu_worker.reads_statistics
-    if cuda and pol is not None and collected & set(pol.reads) and "compilation_config" not in extra:
-        args["compilation_config"] = {"cudagraph_mode": "PIECEWISE"}  # statistics run around the attention op
+    unequal = pol is not None and not pol.spec.uniform
+    if cuda and pol is not None and (collected & set(pol.reads) or unequal) and "compilation_config" not in extra:
+        # statistics run around the attention op; per-row pages write and attend in its wrapper
+        args["compilation_config"] = {"cudagraph_mode": "PIECEWISE"}
+    if cuda and unequal and "attention_backend" not in extra and "attention_config" not in extra:
+        args["attention_backend"] = "TRITON_ATTN"  # per-row pages: the backend verified with one-head pages
     if cuda:
         args["enable_prefix_caching"] = False
         args["async_scheduling"] = False
@@ -131,4 +136,5 @@ def serve_flags(**kw: Any) -> list[str]:
             *(["--no-async-scheduling"] if a.get("async_scheduling") is False else []),
             "--additional-config", json.dumps(a["additional_config"]),
             "--logits-processors", *a["logits_processors"], "--middleware", HTTP_CHECK,
-            *(["--compilation-config", json.dumps(a["compilation_config"])] if "compilation_config" in a else [])]
+            *(["--compilation-config", json.dumps(a["compilation_config"])] if "compilation_config" in a else []),
+            *(["--attention-backend", str(a["attention_backend"])] if "attention_backend" in a else [])]

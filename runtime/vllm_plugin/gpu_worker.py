@@ -19,6 +19,11 @@ are the CPU worker's, line for line. What differs on the GPU:
                    graphs (also those reading keys / values: they come from the KV cache at eviction):
                    every per-step write (slot mapping, ``seq_lens``, block-table rows) goes into
                    vLLM's persistent buffers, so captured graphs read the rewritten values.
+                   A policy with unequal row budgets forces PIECEWISE too (its writes and attention
+                   run in the wrapper)
+    row pages      unequal budgets per (layer, KV head): the CPU worker's row cache with
+                   ``backend="triton"`` (vLLM's Triton attention backend over an HND cache; other
+                   backends and layouts refused in ``VTokenRunnerMixin._vt_row_cache``)
 
 Refused at start-up, with the setting to change (:func:`check_gpu_config`): the V2 model runner,
 FlashInfer and other attention backends (FlashAttention and Triton attention are supported),
@@ -92,23 +97,27 @@ def force_piecewise_graphs(compilation_config: Any, policy: Any) -> bool:
     from vllm.config import CUDAGraphMode
 
     stats = tuple(sorted(policy.reads)) if policy is not None else ()
+    rows = policy is not None and not policy.spec.uniform  # per-row pages: the wrapper writes and attends
     mode = compilation_config.cudagraph_mode
-    if mode is None or mode == CUDAGraphMode.NONE or not reads_statistics(stats):
+    if mode is None or mode == CUDAGraphMode.NONE or not (reads_statistics(stats) or rows):
         return False
     changed = mode.has_full_cudagraphs()
     if changed:
         compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE
-        log.warning("vtoken: policy %s reads %s, collected around the attention op; CUDA graph mode %s would "
-                    "replay decode steps without it, so PIECEWISE is used", policy.name,
-                    sorted(n for n in stats if reads_statistics([n])), mode.name)
-    if any(n in ATTENTION_STATS or n in QUERY_STATS for n in stats) and \
+        why = ("gives rows unequal budgets (per-row pages: its KV writes and attention run in the wrapper, "
+               "with per-layer page tables built each step)" if rows else
+               f"reads {sorted(n for n in stats if reads_statistics([n]))}, collected around the attention op")
+        log.warning("vtoken: policy %s %s; CUDA graph mode %s would replay decode steps without the wrapper, so "
+                    "PIECEWISE is used", policy.name, why, mode.name)
+    if (rows or any(n in ATTENTION_STATS or n in QUERY_STATS for n in stats)) and \
             not compilation_config.splitting_ops_contain_attention():
-        raise ValueError("vtoken: this policy reads attention or query statistics but the compilation captures the "
-                         "attention op inside CUDA graphs (splitting_ops); leave splitting_ops unset or use "
-                         "--enforce-eager")
-    if any(n in KV_STATS for n in stats) and not compilation_config.splitting_ops_contain_kv_cache_update():
-        raise ValueError("vtoken: this policy reads key/value norms but the KV-cache update is fused into the "
-                         "captured graph (splitting_ops / fuse_rope_kvcache); leave them unset or use --enforce-eager")
+        raise ValueError("vtoken: this policy reads attention or query statistics (or attends over per-row pages) but "
+                         "the compilation captures the attention op inside CUDA graphs (splitting_ops); leave "
+                         "splitting_ops unset or use --enforce-eager")
+    if (rows or any(n in KV_STATS for n in stats)) and not compilation_config.splitting_ops_contain_kv_cache_update():
+        raise ValueError("vtoken: this policy reads key/value norms (or writes per-row pages) but the KV-cache update "
+                         "is fused into the captured graph (splitting_ops / fuse_rope_kvcache); leave them unset or "
+                         "use --enforce-eager")
     return changed
 
 

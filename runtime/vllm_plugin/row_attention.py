@@ -36,7 +36,7 @@ docs/vllm.md, "Unequal budgets inside vLLM").
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -119,6 +119,11 @@ class RowBatch:
     block_table: torch.Tensor
     slots: torch.Tensor
     max_seq_len: int
+
+    def to(self, device: torch.device | str) -> RowBatch:
+        """The same metadata with its tensors on ``device`` (the GPU path moves a step's batches once)."""
+        return replace(self, **{f: getattr(self, f).to(device, non_blocking=True) for f in
+                                ("token_idx", "head_idx", "query_start_loc", "seq_lens", "block_table", "slots")})
 
 
 def build_row_batch(query_lens: Sequence[int], row_lens: np.ndarray,
@@ -209,6 +214,31 @@ def move_tokens(kv_caches: Sequence[torch.Tensor], src: np.ndarray, dst: np.ndar
     flat[d_el] = flat[s_el].clone()
 
 
+def move_hnd_tokens(pages: Pages, src: np.ndarray, dst: np.ndarray, num_layers: int, num_kv_heads: int,
+                    num_blocks: int) -> None:
+    """:func:`move_tokens` for :func:`hnd_layer_pages` (the GPU Triton backend's cache): a
+    :class:`~vtoken_runtime.page_table.PageTable` plan's page slots (its numbering) -> ``(page, slot)`` of the
+    page space, where a token-head's key and value are plain ``D`` elements (no ISA layout). All sources are
+    read before any write (a plan's sources and destinations may share pages)."""
+    if len(src) != len(dst):
+        raise ValueError(f"vtoken: {len(src)} sources for {len(dst)} destinations")
+    if not len(src):
+        return
+    keys, values = pages
+    bs = int(keys.shape[1])
+    dev = keys.device
+
+    def where(slots: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        s = np.asarray(slots, dtype=np.int64)
+        page = vllm_pages(s // bs, num_layers, num_kv_heads, num_blocks)
+        return torch.from_numpy(page).to(dev), torch.from_numpy(s % bs).to(dev)
+
+    (sp, so), (dp, do) = where(src), where(dst)
+    k, v = keys[sp, so, 0].clone(), values[sp, so, 0].clone()  # [n, D] gathered first
+    keys[dp, do, 0] = k
+    values[dp, do, 0] = v
+
+
 def _isa(dtype: torch.dtype, block_size: int, head_size: int) -> str:
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
@@ -292,5 +322,6 @@ def triton_row_attention(query: torch.Tensor, pages: Pages, batch: RowBatch, sca
     return result.view(t_n, hq, d)
 
 
-__all__ = ["Pages", "RowBatch", "all_layer_pages", "build_row_batch", "hnd_layer_pages", "move_tokens", "one_head_pages",
+__all__ = ["Pages", "RowBatch", "all_layer_pages", "build_row_batch", "hnd_layer_pages", "move_hnd_tokens",
+           "move_tokens", "one_head_pages",
            "row_attention", "triton_row_attention", "triton_write_rows", "vllm_pages", "write_rows"]

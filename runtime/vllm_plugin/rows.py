@@ -1,4 +1,5 @@
-"""Requests with unequal row budgets inside vLLM's CPU worker (issue 39): one-head pages of vLLM's own buffer.
+"""Requests with unequal row budgets inside vLLM's workers (issue 39): one-head pages of vLLM's own buffer (CPU; GPU
+with the Triton attention backend over an HND cache: ``backend="triton"``, see :class:`VllmRowCache`).
 
 A request whose policy gives its (layer, KV head) rows unequal counts (``allocation=``: AdaKV, PyramidKV,
 DuoAttention) leaves the uniform token table at its first eviction, as in the HF session: the driver's handoff
@@ -55,26 +56,44 @@ class RowStep:
     pages: ra.Pages
     batches: list[ra.RowBatch]  # [L]
     isa: str
+    backend: str = "cpu"  # "cpu": vLLM's CPU kernels; "triton": the GPU Triton backend's (``hnd_layer_pages``)
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """The step's new ``key`` / ``value`` ``[T, H, D]`` of ``layer`` into their rows' pages."""
-        ra.write_rows(key, value, self.pages, self.batches[layer], isa=self.isa)
+        if self.backend == "triton":
+            ra.triton_write_rows(key, value, self.pages, self.batches[layer])
+        else:
+            ra.write_rows(key, value, self.pages, self.batches[layer], isa=self.isa)
 
     def attend(self, layer: int, query: torch.Tensor, output: torch.Tensor, scale: float) -> None:
         """``query [T, H_q, D]`` (the step's actual tokens) -> ``output[:T]`` (``[T, H_q * D]`` or
         ``[T, H_q, D]``), every query head over its row."""
         t_n, hq, d = query.shape
-        out = ra.row_attention(query, self.pages, self.batches[layer], scale, isa=self.isa)
+        if self.backend == "triton":
+            out = ra.triton_row_attention(query, self.pages, self.batches[layer], scale)
+        else:
+            out = ra.row_attention(query, self.pages, self.batches[layer], scale, isa=self.isa)
         output[:t_n].view(t_n, hq, d).copy_(out)
 
 
 class VllmRowCache(RowStore):
-    """Row requests in vLLM's CPU KV buffer (``kv_caches``: the layers' ``[NB, H, bs, 2D]`` views of one
-    allocation), over the worker's :class:`~.worker.ExternalPool` (fed from vLLM's block lists)."""
+    """Row requests in vLLM's KV buffer (``kv_caches``: the layers' ``[NB, H, bs, 2D]`` views of one
+    allocation), over the worker's :class:`~.worker.ExternalPool` (fed from vLLM's block lists).
 
-    def __init__(self, kv_caches: Sequence[torch.Tensor], kmap: np.ndarray, vmap: np.ndarray, pool: BlockPool,
-                 max_requests: int, debug: bool | None = None) -> None:
-        pages = ra.all_layer_pages(kv_caches)  # ValueError unless one buffer in layer order
+    ``backend="cpu"`` (vLLM's CPU worker): pages :func:`~.row_attention.all_layer_pages`, K/V inside a page in
+    the ISA's layout (``kmap`` / ``vmap``, probed), vLLM's CPU write and attention ops. ``backend="triton"``
+    (the GPU worker with vLLM's Triton attention backend and the HND layout, LBHNC): pages
+    :func:`~.row_attention.hnd_layer_pages`, plain ``D`` elements per token-head (no maps), vLLM's
+    ``triton_reshape_and_cache_flash`` and ``unified_attention``. The bookkeeping is the same."""
+
+    def __init__(self, kv_caches: Sequence[torch.Tensor], kmap: np.ndarray | None, vmap: np.ndarray | None,
+                 pool: BlockPool, max_requests: int, debug: bool | None = None, backend: str = "cpu") -> None:
+        if backend not in ("cpu", "triton"):
+            raise ValueError(f"vtoken: row backend {backend!r}; expected 'cpu' or 'triton'")
+        if backend == "cpu" and (kmap is None or vmap is None):
+            raise ValueError("vtoken: the CPU row backend needs the probed key/value maps of the cache layout")
+        # ValueError unless one buffer in layer order (and, for Triton, HND-contiguous)
+        pages = ra.hnd_layer_pages(kv_caches) if backend == "triton" else ra.all_layer_pages(kv_caches)
         nb, h, bs, d2 = kv_caches[0].shape
         if nb != pool.num_blocks:
             raise ValueError(f"vtoken: the KV cache has {nb} blocks, the pool {pool.num_blocks}")
@@ -83,9 +102,14 @@ class VllmRowCache(RowStore):
         self.pages = pages
         self.num_blocks = nb
         self.kmap, self.vmap = kmap, vmap
+        self.backend = backend
+        self.device = kv_caches[0].device
 
     def _move(self, src: np.ndarray, dst: np.ndarray) -> None:
-        ra.move_tokens(self.kv_caches, src, dst, self.kmap, self.vmap)
+        if self.backend == "triton":
+            ra.move_hnd_tokens(self.pages, src, dst, self.num_layers, self.num_kv_heads, self.num_blocks)
+        else:
+            ra.move_tokens(self.kv_caches, src, dst, self.kmap, self.vmap)
 
     def reserve_fed(self, req_id: ReqId, n: int) -> np.ndarray:
         """Page slots ``[R, n]`` for the next ``n`` tokens of every row, taking *every* block the pool was fed
@@ -145,7 +169,9 @@ class VllmRowCache(RowStore):
         q = np.asarray(query_lens, np.int64)[:b_n]
         batches = [ra.build_row_batch(q, lens[:, layer], pages[:, layer].reshape(b_n * H, width), bs)
                    for layer in range(L)]
-        return RowStep(self.pages, batches, isa)
+        if self.device.type != "cpu":  # once per step, not once per layer call
+            batches = [b.to(self.device) for b in batches]
+        return RowStep(self.pages, batches, isa, self.backend)
 
 
 __all__ = ["RowStep", "VllmRowCache"]

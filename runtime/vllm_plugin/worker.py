@@ -332,8 +332,12 @@ class VTokenRunnerMixin:
         if pol is None or pol.spec.uniform:
             return None
         why = None
-        if self._vt_kvmaps is None:
-            why = "per-row pages are built for vLLM's CPU worker only (the GPU backends are not wired yet)"
+        gpu = self._vt_kvmaps is None  # the GPU worker (its K/V access has no probed CPU maps)
+        impl_name = type(getattr(layer.impl, "_inner", layer.impl)).__name__
+        if gpu and impl_name != "TritonAttentionImpl":
+            why = (f"per-row pages on the GPU run through vLLM's Triton attention backend only (this engine uses "
+                   f"{impl_name}; FlashAttention's paged kernels were not verified with one-head pages): use "
+                   "--attention-backend TRITON_ATTN with VLLM_KV_CACHE_LAYOUT=HND")
         elif self._vt_cfg.mode == "naive":
             why = "mode 'naive' holds every block with a live token; it has no per-row pages"
         elif self._vt_pp > 1:
@@ -355,12 +359,14 @@ class VTokenRunnerMixin:
             raise ValueError(f"vtoken: policy {pol.name!r} gives (layer, KV head) rows unequal budgets "
                              f"({type(pol.spec.allocation).__name__}), but {why}; configure(allocation=vt.Uniform()) "
                              "serves it with equal budgets")
-        kmap, vmap = self._vt_kvmaps
+        kmap, vmap = (None, None) if gpu else self._vt_kvmaps
         try:
             return VllmRowCache(kv, kmap, vmap, self._vt_pool, int(self.vllm_config.scheduler_config.max_num_seqs) + 8,
-                                debug=self._vt_cfg.debug)
+                                debug=self._vt_cfg.debug, backend="triton" if gpu else "cpu")
         except ValueError as e:
-            raise ValueError(f"vtoken: policy {pol.name!r} needs one page space over every layer's cache: {e}") from None
+            hint = " (on the GPU: VLLM_KV_CACHE_LAYOUT=HND)" if gpu else ""
+            raise ValueError(f"vtoken: policy {pol.name!r} needs one page space over every layer's cache{hint}: "
+                             f"{e}") from None
 
     def _vt_uniform_twin(self) -> Any:
         """The engine's policy with ``allocation=vt.Uniform()`` (one object for every request asking for it, so
@@ -533,7 +539,7 @@ class VTokenRunnerMixin:
                           f"{int(bt.num_blocks_per_row[i])} (rank {self._vt_rank})")
         if rows is not None and any(r in rows for r in req_ids):
             self._vt_rowstep = rows.step(req_ids, num_scheduled_tokens[:num_reqs], seq, bt.block_table.np[:num_reqs],
-                                         self._vt_isa)
+                                         getattr(self, "_vt_isa", ""))
         positions = true_positions(computed, num_scheduled_tokens[:num_reqs])
         for i, rid in enumerate(req_ids):
             n = int(num_scheduled_tokens[i])

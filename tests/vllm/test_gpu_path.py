@@ -84,6 +84,8 @@ def test_each_unsupported_configuration_is_refused_with_its_fix(change: dict, me
     ("h2o", "PIECEWISE", "PIECEWISE"),
     ("knorm", "FULL_AND_PIECEWISE", "PIECEWISE"),       # key norms: collected in the KV-update hook
     ("streaming_llm", "FULL_AND_PIECEWISE", "FULL_AND_PIECEWISE"),  # positions only: full graphs kept
+    ("duo_attention", "FULL_AND_PIECEWISE", "PIECEWISE"),  # positions only, but per-row pages: the wrapper runs
+    ("duo_attention", "NONE", "NONE"),
     ("h2o", "NONE", "NONE"),
 ])
 def test_cuda_graph_mode_is_forced_piecewise_only_for_statistics(policy: str, mode: str, expect: str) -> None:
@@ -120,6 +122,12 @@ def test_engine_args_pick_the_gpu_worker_and_piecewise_graphs_on_cuda() -> None:
     a = vllm_engine_args(policy="h2o", eviction_ratio=0.5, device="cuda")
     assert a["worker_cls"] == GPU_WORKER_CLS and a["compilation_config"] == {"cudagraph_mode": "PIECEWISE"}
     assert "compilation_config" not in vllm_engine_args(policy="streaming_llm", device="cuda")
+    duo = vllm_engine_args(policy="duo_attention", device="cuda")  # unequal rows: the wrapper, the Triton backend
+    assert duo["compilation_config"] == {"cudagraph_mode": "PIECEWISE"} and duo["attention_backend"] == "TRITON_ATTN"
+    assert "attention_backend" not in vllm_engine_args(policy="duo_attention", device="cpu")
+    assert "attention_backend" not in vllm_engine_args(policy="h2o", device="cuda")
+    flags = serve_flags(policy="ada_snapkv", device="cuda")
+    assert flags[flags.index("--attention-backend") + 1] == "TRITON_ATTN"
     mine = {"cudagraph_mode": "FULL"}  # the user's choice is kept (the worker still enforces PIECEWISE)
     assert vllm_engine_args(policy="h2o", device="cuda", compilation_config=mine)["compilation_config"] is mine
     assert vllm_engine_args(policy="h2o", device="cpu")["worker_cls"] == WORKER_CLS

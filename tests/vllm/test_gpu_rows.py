@@ -44,3 +44,60 @@ def test_hnd_pages_are_one_page_space_and_refuse_other_layouts() -> None:
         hnd_layer_pages([buf[1], buf[0]])
     with pytest.raises(ValueError, match="HND layout"):
         hnd_layer_pages([buf[0].transpose(1, 2), buf[1].transpose(1, 2)])
+
+
+def test_the_workers_row_cache_runs_on_the_triton_backend_end_to_end() -> None:
+    """``VllmRowCache(backend="triton")`` over vLLM's own HND views: handoff (K/V moved in page space), mixed
+    batches with a uniform request, a repacking eviction midway, every row exact; every block back."""
+    res = subprocess.run([sys.executable, "-m", "vtoken_bench.gpu_rows_check", "--cache", "--steps", "6"],
+                         capture_output=True, text=True, timeout=600)
+    line = res.stdout.strip().splitlines()[-1]
+    got = json.loads(line)
+    assert res.returncode == 0 and got["pass"], (res.returncode, line, res.stderr[-2000:])
+    assert got["rows_checked"] == 6 * 3 * 3 * 2  # steps x layers x requests x KV heads
+    assert got["row_lens"][0] < got["row_lens"][1]  # unequal rows
+    assert got["blocks_freed_midway"] >= 1 and got["all_blocks_back"]
+    assert got["max_abs_err"] < 1e-4
+
+
+def _views(layout: str) -> list[torch.Tensor]:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheTensor, create_kv_cache_views
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    page = spec.page_size_bytes
+    t = KVCacheTensor(size=2 * 8 * page, layers=[f"model.layers.{i}.self_attn.attn" for i in range(2)],
+                      layer_stride=8 * page, block_stride=page)
+    return create_kv_cache_views(torch.zeros(t.size, dtype=torch.int8), spec, 8, KVCacheLayout[layout], t)
+
+
+def _gpu_runner(impl: type) -> tuple[object, object]:
+    """What ``VTokenRunnerMixin._vt_row_cache`` reads of a GPU runner (no probed CPU maps) and one layer."""
+    from types import SimpleNamespace
+
+    from vtoken_runtime.block_pool import BlockPool
+    from vtoken_runtime.vllm_plugin.config import PluginConfig
+
+    runner = SimpleNamespace(
+        _vt_policy=PluginConfig(policy="ada_snapkv").load_policy(), _vt_kvmaps=None,
+        _vt_cfg=SimpleNamespace(mode="compact", debug=True), _vt_pp=1, _vt_hybrid=False, _vt_pool=BlockPool(8),
+        vllm_config=SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=4)))
+    return runner, SimpleNamespace(impl=object.__new__(impl))
+
+
+def test_gpu_worker_builds_triton_row_pages_and_refuses_other_backends_and_layouts() -> None:
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
+    from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
+
+    from vtoken_runtime.vllm_plugin.worker import VTokenRunnerMixin
+
+    runner, layer = _gpu_runner(TritonAttentionImpl)
+    rows = VTokenRunnerMixin._vt_row_cache(runner, _views("LBHNC"), layer)
+    assert rows.backend == "triton" and rows.num_layers == 2 and rows.num_blocks == 8
+    with pytest.raises(ValueError, match="VLLM_KV_CACHE_LAYOUT=HND"):
+        VTokenRunnerMixin._vt_row_cache(runner, _views("LBNHC"), layer)
+    runner, layer = _gpu_runner(FlashAttentionImpl)
+    with pytest.raises(ValueError, match="--attention-backend TRITON_ATTN.*allocation=vt.Uniform"):
+        VTokenRunnerMixin._vt_row_cache(runner, _views("LBHNC"), layer)
+    runner._vt_policy = runner._vt_policy.configure(allocation=__import__("vtoken_sdk").Uniform())
+    assert VTokenRunnerMixin._vt_row_cache(runner, _views("LBHNC"), layer) is None  # uniform: no row pages
