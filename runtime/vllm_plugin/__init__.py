@@ -76,7 +76,7 @@ def vllm_engine_args(policy: str | None = "none", mode: str = "compact", evictio
     (default: CUDA when torch sees a GPU). ``extra`` is merged (e.g. ``additional_config``). On CUDA a
     policy that reads statistics gets PIECEWISE CUDA graphs unless ``compilation_config`` is given (the
     GPU worker enforces it too; see ``gpu_worker``); so does a policy with unequal row budgets, which also gets
-    ``attention_backend="TRITON_ATTN"`` (per-row pages on the GPU need it, and ``VLLM_KV_CACHE_LAYOUT=HND``). Prefix caching keeps vLLM's default (on) in the CPU
+    ``attention_backend="TRITON_ATTN"`` (per-row pages on the GPU need it; the GPU worker asks for the HND layout). Prefix caching keeps vLLM's default (on) in the CPU
     worker (the cached prefix is frozen, docs/decisions.md decision 9) and is switched off on CUDA; so does
     asynchronous scheduling (the scheduler reads eviction reports a step late; vLLM's CPU platform switches it
     off itself) and it is switched off on CUDA too.

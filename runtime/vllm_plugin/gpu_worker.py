@@ -22,8 +22,9 @@ are the CPU worker's, line for line. What differs on the GPU:
                    A policy with unequal row budgets forces PIECEWISE too (its writes and attention
                    run in the wrapper)
     row pages      unequal budgets per (layer, KV head): the CPU worker's row cache with
-                   ``backend="triton"`` (vLLM's Triton attention backend over an HND cache; other
-                   backends and layouts refused in ``VTokenRunnerMixin._vt_row_cache``)
+                   ``backend="triton"`` (vLLM's Triton attention backend over an HND cache: the worker
+                   puts LBHNC first in its supported layouts; with another backend or an explicit other
+                   layout the policy is served with equal budgets, logged: ``_vt_row_cache``)
 
 Refused at start-up, with the setting to change (:func:`check_gpu_config`): the V2 model runner,
 FlashInfer and other attention backends (FlashAttention and Triton attention are supported),
@@ -121,6 +122,17 @@ def force_piecewise_graphs(compilation_config: Any, policy: Any) -> bool:
     return changed
 
 
+def prefer_row_layout(names: list[str], policy: Any) -> list[str]:
+    """The worker's supported KV layouts (most preferred first) with LBHNC (HND) first when ``policy`` gives rows
+    unequal budgets: per-row pages on the GPU are one-head regions of an HND cache (``row_attention.
+    hnd_layer_pages``), and vLLM's default preference puts LBNHC first. vLLM's engine core resolves the layout
+    from this list; an explicit ``VLLM_KV_CACHE_LAYOUT`` still wins (the runner then serves the policy with equal
+    budgets if it is not HND, with a warning)."""
+    if policy is None or policy.spec.uniform or "LBHNC" not in names:
+        return list(names)
+    return ["LBHNC", *[n for n in names if n != "LBHNC"]]
+
+
 class VTokenGPURunnerMixin(VTokenRunnerMixin):
     """The runner mixin with the GPU's K/V access (layout adapter + Triton copy engine) and guards."""
 
@@ -163,3 +175,6 @@ class VTokenGPUWorker(_GPUWorker):  # type: ignore[misc,valid-type]
         super().init_device()
         install_runner(self.model_runner, VTokenGPURunnerMixin)
         force_piecewise_graphs(self.vllm_config.compilation_config, self.model_runner._vt_policy)
+
+    def get_supported_kv_cache_layouts(self) -> list[str]:
+        return prefer_row_layout(super().get_supported_kv_cache_layouts(), self.model_runner._vt_policy)

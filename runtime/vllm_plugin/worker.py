@@ -334,11 +334,27 @@ class VTokenRunnerMixin:
         why = None
         gpu = self._vt_kvmaps is None  # the GPU worker (its K/V access has no probed CPU maps)
         impl_name = type(getattr(layer.impl, "_inner", layer.impl)).__name__
+        fallback = None  # GPU: served with equal budgets (the issue's rule for backends without row pages)
         if gpu and impl_name != "TritonAttentionImpl":
-            why = (f"per-row pages on the GPU run through vLLM's Triton attention backend only (this engine uses "
-                   f"{impl_name}; FlashAttention's paged kernels were not verified with one-head pages): use "
-                   "--attention-backend TRITON_ATTN with VLLM_KV_CACHE_LAYOUT=HND")
-        elif self._vt_cfg.mode == "naive":
+            fallback = (f"per-row pages on the GPU run through vLLM's Triton attention backend only (this engine "
+                        f"uses {impl_name}; FlashAttention's paged kernels were not verified with one-head pages)")
+        elif gpu:
+            try:
+                from .row_attention import hnd_layer_pages
+
+                hnd_layer_pages(kv)
+            except ValueError as e:
+                fallback = f"per-row pages on the GPU need the HND cache layout (LBHNC): {e}"
+        if fallback is not None:
+            import vtoken_sdk as vt
+
+            self._vt_policy = pol.configure(allocation=vt.Uniform())
+            log.warning("vtoken: policy %s gives (layer, KV head) rows unequal budgets, but %s; it is served with "
+                        "equal budgets (allocation=vt.Uniform()). For unequal budgets use --attention-backend "
+                        "TRITON_ATTN and leave VLLM_KV_CACHE_LAYOUT unset (the worker asks for HND) or set it to HND",
+                        pol.name, fallback)
+            return None
+        if self._vt_cfg.mode == "naive":
             why = "mode 'naive' holds every block with a live token; it has no per-row pages"
         elif self._vt_pp > 1:
             why = (f"pipeline parallelism ({self._vt_pp} stages) splits the layers, and a layer's counts are set "
@@ -364,9 +380,7 @@ class VTokenRunnerMixin:
             return VllmRowCache(kv, kmap, vmap, self._vt_pool, int(self.vllm_config.scheduler_config.max_num_seqs) + 8,
                                 debug=self._vt_cfg.debug, backend="triton" if gpu else "cpu")
         except ValueError as e:
-            hint = " (on the GPU: VLLM_KV_CACHE_LAYOUT=HND)" if gpu else ""
-            raise ValueError(f"vtoken: policy {pol.name!r} needs one page space over every layer's cache{hint}: "
-                             f"{e}") from None
+            raise ValueError(f"vtoken: policy {pol.name!r} needs one page space over every layer's cache: {e}") from None
 
     def _vt_uniform_twin(self) -> Any:
         """The engine's policy with ``allocation=vt.Uniform()`` (one object for every request asking for it, so

@@ -85,7 +85,8 @@ def _gpu_runner(impl: type) -> tuple[object, object]:
     return runner, SimpleNamespace(impl=object.__new__(impl))
 
 
-def test_gpu_worker_builds_triton_row_pages_and_refuses_other_backends_and_layouts() -> None:
+def test_gpu_worker_builds_triton_row_pages_and_serves_other_backends_and_layouts_uniformly(
+        caplog: pytest.LogCaptureFixture) -> None:
     from vllm.v1.attention.backends.flash_attn import FlashAttentionImpl
     from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl
 
@@ -94,10 +95,26 @@ def test_gpu_worker_builds_triton_row_pages_and_refuses_other_backends_and_layou
     runner, layer = _gpu_runner(TritonAttentionImpl)
     rows = VTokenRunnerMixin._vt_row_cache(runner, _views("LBHNC"), layer)
     assert rows.backend == "triton" and rows.num_layers == 2 and rows.num_blocks == 8
-    with pytest.raises(ValueError, match="VLLM_KV_CACHE_LAYOUT=HND"):
-        VTokenRunnerMixin._vt_row_cache(runner, _views("LBNHC"), layer)
-    runner, layer = _gpu_runner(FlashAttentionImpl)
-    with pytest.raises(ValueError, match="--attention-backend TRITON_ATTN.*allocation=vt.Uniform"):
-        VTokenRunnerMixin._vt_row_cache(runner, _views("LBHNC"), layer)
+    assert not runner._vt_policy.spec.uniform  # the policy as configured
+    for impl, layout in ((TritonAttentionImpl, "LBNHC"), (FlashAttentionImpl, "LBHNC")):
+        runner, layer = _gpu_runner(impl)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="vtoken.vllm"):
+            assert VTokenRunnerMixin._vt_row_cache(runner, _views(layout), layer) is None
+        assert runner._vt_policy.spec.uniform and runner._vt_policy.name == "ada_snapkv"  # its uniform twin
+        assert "served with equal budgets" in caplog.text and "TRITON_ATTN" in caplog.text, caplog.text
+    runner, layer = _gpu_runner(TritonAttentionImpl)
     runner._vt_policy = runner._vt_policy.configure(allocation=__import__("vtoken_sdk").Uniform())
     assert VTokenRunnerMixin._vt_row_cache(runner, _views("LBHNC"), layer) is None  # uniform: no row pages
+
+
+def test_gpu_worker_asks_for_the_hnd_layout_only_for_unequal_budgets() -> None:
+    from vtoken_runtime.vllm_plugin.config import PluginConfig
+    from vtoken_runtime.vllm_plugin.gpu_worker import VTokenGPUWorker, prefer_row_layout
+
+    names = ["LBNHC", "LBHNC", "BLNHC"]
+    assert prefer_row_layout(names, PluginConfig(policy="ada_snapkv").load_policy()) == ["LBHNC", "LBNHC", "BLNHC"]
+    assert prefer_row_layout(names, PluginConfig(policy="h2o").load_policy()) == names
+    assert prefer_row_layout(names, None) == names
+    assert prefer_row_layout(["LBNHC"], PluginConfig(policy="duo_attention").load_policy()) == ["LBNHC"]
+    assert "get_supported_kv_cache_layouts" in VTokenGPUWorker.__dict__  # the hook vLLM's engine core calls
