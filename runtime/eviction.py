@@ -21,7 +21,9 @@
       4. apply    cache.apply_keep_mask (and every follower cache: the HF adapter's ``follower_block_sizes``);
                   a policy with unequal budgets per row (``allocation=``) hands the request to the adapter's
                   per-row pages instead (``handoff``: the HF adapter's :class:`~vtoken_runtime.row_cache.RowCache`),
-                  once, after prefill: it evicts no more (``TrackedRequest.in_rows``)
+                  once, after prefill: it evicts no more by scores (``TrackedRequest.in_rows``); rows
+                  that are position classes (``HeadClasses``, DuoAttention) are cut back to their sinks
+                  and recent window during decode (``streams_rows``, the adapter's ``RowAccess``)
       5. reclaim  cache.reclaim(evicted requests): plan, commit, free tail blocks, async copy
       6. report   StepReport: per request evicted tokens / failure, the reclaim's figures, timings
 
@@ -41,7 +43,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from vtoken_sdk import Budget, CompiledPolicy, Policy, StatsBatch, compile_policy
+from vtoken_sdk import Budget, CompiledPolicy, HeadClasses, Policy, StatsBatch, compile_policy
+from vtoken_sdk.budget import PHASES_OF
 from vtoken_sdk.stats import KVCACHE_STATS, QUERY_STATS
 
 from ._debug import reraise_runtime_fault
@@ -61,7 +64,8 @@ class TrackedRequest:
     failures: list[str] = field(default_factory=list)  # the first one disables eviction for the request
     # (logical_len, kept positions [R, n]; a list of R arrays for a request handed to per-row pages)
     keep_log: list[tuple[int, np.ndarray | list[np.ndarray]]] = field(default_factory=list)
-    in_rows: bool = False  # handed to per-row pages (unequal budgets): evicts no more
+    in_rows: bool = False  # handed to per-row pages (unequal budgets): evicts no more (but see streams_rows)
+    rows_len: int = 0  # logical length at its last per-row eviction (the handoff included)
     frozen: int = 0  # the first `frozen` positions are a frozen prefix (prefix caching): pinned
 
     @property
@@ -126,6 +130,48 @@ class Handoff(Protocol):
     def __call__(self, req_id: ReqId, keep: np.ndarray) -> int: ...
 
 
+class RowAccess(Protocol):
+    """The adapter's per-row pages, for requests already handed to them (``in_rows``) whose policy's rows are
+    position classes (:class:`~vtoken_sdk.HeadClasses`, DuoAttention): what the driver reads to re-evict them
+    during decode, and the eviction itself."""
+
+    def row_view(self, req_id: ReqId) -> tuple[list[np.ndarray], np.ndarray, int]:
+        """``(positions of every row (ascending), pinned positions, logical length)``."""
+        ...
+
+    def row_evict(self, req_id: ReqId, keep: list[np.ndarray]) -> int:
+        """Keep ``keep[r]`` (bool over row ``r``'s tokens) in every row, compact, free emptied blocks; returns the
+        row-tokens evicted. ValueError: refused, nothing changed."""
+        ...
+
+
+def head_classes_row_keep(alloc: HeadClasses, positions: Sequence[np.ndarray], pinned: np.ndarray, seq_len: int,
+                          num_kv_heads: int, head_offset: int = 0, layer_offset: int = 0) -> list[np.ndarray]:
+    """:func:`vtoken_sdk.allocation.head_classes_keep` for rows of unequal lengths (a request in per-row pages):
+    row ``r = layer * num_kv_heads + head`` (this rank's heads start at global head ``head_offset``, its layers
+    at ``layer_offset``) keeps every token if it is a retrieval row, else its pins and the positions ``< sinks``
+    or ``>= seq_len - recent``. Returns one bool array per row."""
+    ret = set(alloc.retrieval)
+    pins = np.asarray(pinned, dtype=np.int64)
+    out = []
+    for r, p in enumerate(positions):
+        layer, head = layer_offset + r // num_kv_heads, head_offset + r % num_kv_heads
+        p = np.asarray(p, dtype=np.int64)
+        if (layer, head) in ret:
+            out.append(np.ones(p.size, dtype=bool))
+        else:
+            out.append((p < alloc.sinks) | (p >= seq_len - alloc.recent) | np.isin(p, pins))
+    return out
+
+
+def streams_rows(policy: Policy | None, budget: Budget | None) -> bool:
+    """Whether a request of ``policy`` in per-row pages is evicted again during decode: its rows are position
+    classes (:class:`~vtoken_sdk.HeadClasses`: streaming rows keep sinks and a recent window, so they need no
+    statistics) and its budget evicts during decode (``when`` "decode" or "both")."""
+    return (policy is not None and isinstance(policy.spec.allocation, HeadClasses) and budget is not None
+            and "decode" in PHASES_OF[budget.when])
+
+
 COUNTERS = ("evictions", "tokens_evicted", "tokens_moved", "blocks_freed", "policy_failures")
 
 
@@ -134,18 +180,22 @@ def refuse_unequal(policy: Policy | None, budget: Budget | None = None, rows: bo
 
     ``rows=False`` (the experiment runner, a driver without a handoff): the token table keeps one length per
     request (docs/decisions.md, decision 4), so any unequal allocation is refused. ``rows=True`` (the HF
-    adapter and the vLLM CPU worker, which have per-row pages, decision 8): refused unless the budget evicts once, after prefill
-    (``when="prefill"``), because a request in per-row pages is not evicted again (its statistics would need
-    one length per row)."""
+    adapter and the vLLM workers, which have per-row pages, decision 8): refused unless the budget evicts once, after prefill
+    (``when="prefill"``), because a request in per-row pages is not evicted again by scores (its statistics
+    would need one length per row). Position classes (:class:`~vtoken_sdk.HeadClasses`, DuoAttention) need no
+    statistics: they may also evict during decode (``when="decode"`` or ``"both"``: :func:`streams_rows`)."""
     if policy is None or policy.spec.uniform:
         return
     if rows:
         when = (budget or policy.budget).when
+        if isinstance(policy.spec.allocation, HeadClasses) and when in ("prefill", "decode", "both"):
+            return  # position classes: re-evicted during decode without statistics (streams_rows)
         if when != "prefill":
             raise ValueError(f"policy {policy.name!r} has allocation={policy.spec.allocation!r} and evicts with "
                              f"when={when!r}; per-row pages take a request once, after prefill: use "
                              "budget=vt.Budget(..., when='prefill') (every shipped unequal policy does), or "
-                             "allocation=vt.Uniform() to evict during decode")
+                             "allocation=vt.Uniform() to evict during decode (only vt.HeadClasses rows, which need "
+                             "no statistics, are evicted again during decode)")
         return
     raise ValueError(f"policy {policy.name!r} has allocation={policy.spec.allocation!r} (unequal budgets per "
                      "(layer, KV head) row); this runtime keeps one length per request and runs only "
@@ -161,8 +211,9 @@ class EvictionDriver:
     def __init__(self, cache: VTokenCache, followers: Sequence[VTokenCache] = (), record_keeps: bool = False,
                  collective: Collective | None = None, queries: QueryWindows | None = None,
                  vector_chunk_bytes: int | None = None, handoff: Handoff | None = None, layer_base: int = 0,
-                 model_layers: int | None = None) -> None:
+                 model_layers: int | None = None, rows: RowAccess | None = None) -> None:
         self.cache = cache
+        self.rows = rows  # per-row pages, for the decode re-eviction of position-class rows (streams_rows)
         # the cache's layer 0 is the model's layer ``layer_base`` of ``model_layers`` (a pipeline stage holds a
         # contiguous run of layers): what ``s.layer`` / ``s.num_layers`` read
         self.layer_base, self.model_layers = int(layer_base), model_layers
@@ -210,8 +261,13 @@ class EvictionDriver:
         report = StepReport()
         cache = self.cache
         groups: dict[int, list[ReqId]] = {}
+        streaming: list[ReqId] = []
         for r in req_ids:
             t = self.requests.get(r)
+            if t is not None and t.in_rows and not t.failures and self.rows is not None and \
+                    streams_rows(t.policy, t.budget) and \
+                    (phases if isinstance(phases, str) else phases[r]) == "decode":
+                streaming.append(r)
             if t is None or not t.evicts:
                 continue
             phase = phases if isinstance(phases, str) else phases[r]
@@ -219,7 +275,10 @@ class EvictionDriver:
             if t.budget.should_evict(cache.live_tokens(r), cache.logical_len(r), phase,  # type: ignore[arg-type]
                                      block_size=cache.block_size):
                 groups.setdefault(id(t.policy), []).append(r)
+        if streaming:
+            self._stream_rows(streaming, report)
         if not groups:
+            self._count(report)
             return report
         t0 = time.perf_counter()
         masks: dict[ReqId, np.ndarray] = {}
@@ -257,6 +316,10 @@ class EvictionDriver:
             for c in self.followers:
                 c.reclaim(compacted)
         report.policy_seconds, report.reclaim_seconds = t1 - t0, time.perf_counter() - t1
+        self._count(report)
+        return report
+
+    def _count(self, report: StepReport) -> None:
         c_ = self.counters
         c_["evictions"] += len(report.evicted)
         c_["tokens_evicted"] += sum(report.evicted.values())
@@ -264,7 +327,34 @@ class EvictionDriver:
         c_["blocks_freed"] += report.reclaim.blocks_freed
         c_["policy_seconds"] += report.policy_seconds
         c_["reclaim_seconds"] += report.reclaim_seconds
-        return report
+
+    def _stream_rows(self, rs: list[ReqId], report: StepReport) -> None:
+        """Decode re-eviction of requests in per-row pages whose rows are position classes (``streams_rows``):
+        every streaming row back to its sinks, pins and recent window once the request has grown by more than
+        the budget's slack since its last per-row eviction (``slack="block"``: a block). The decision reads only
+        the logical length, which every tensor-parallel rank sees alike, so the ranks evict at the same steps."""
+        assert self.rows is not None
+        col = self.collective
+        head_offset = col.rank * self.cache.num_kv_heads if col is not None else 0
+        for r in rs:
+            t = self.requests[r]
+            assert t.budget is not None and t.policy is not None
+            positions, pinned, n = self.rows.row_view(r)
+            slack = self.cache.block_size if t.budget.slack == "block" else int(t.budget.slack)
+            if n - t.rows_len <= slack:
+                continue
+            keep = head_classes_row_keep(t.policy.spec.allocation, positions, pinned, n, self.cache.num_kv_heads,
+                                         head_offset=head_offset, layer_offset=self.layer_base)
+            try:
+                evicted = self.rows.row_evict(r, keep)
+            except ValueError as e:
+                self._fail(r, f"per-row eviction refused: {e}", report)
+                continue
+            t.rows_len = n
+            if self.record_keeps:
+                t.keep_log.append((n, [p[k] for p, k in zip(positions, keep, strict=True)]))
+            if evicted:
+                report.evicted[r] = evicted
 
     # ------------------------------------------------------------------ selection
     def _masks(self, rs: list[ReqId], report: StepReport) -> dict[ReqId, np.ndarray]:
@@ -449,6 +539,7 @@ class EvictionDriver:
         when the handoff refused the mask (the request fails and stays in the uniform cache, unchanged)."""
         assert self.handoff is not None
         kept = None
+        length = self.cache.logical_len(r)  # read before the handoff: the uniform cache lets the request go
         if self.record_keeps:  # read before the handoff: the uniform cache lets the request go
             pos = self.cache.live_view(r)[0]
             kept = (self.cache.logical_len(r), [p[k] for p, k in zip(pos, keep, strict=True)])
@@ -458,6 +549,7 @@ class EvictionDriver:
             self._fail(r, f"keep mask refused: {e}", report)
             return -1, kept
         self.requests[r].in_rows = True
+        self.requests[r].rows_len = length
         return n, kept
 
     def _fail(self, r: ReqId, why: str, report: StepReport) -> None:

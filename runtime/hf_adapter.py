@@ -210,7 +210,8 @@ class HFSession:
         # (session -> driver -> session) that keeps every K/V tensor alive until the cyclic GC happens to run
         handoff = weakref.WeakMethod(self._handoff)
         self.driver = EvictionDriver(self.cache, list(self.followers.values()), record_keeps=record_keeps,
-                                     handoff=(lambda r, k: handoff()(r, k)) if granularity == "head" else None)
+                                     handoff=(lambda r, k: handoff()(r, k)) if granularity == "head" else None,
+                                     rows=self.rows if granularity == "head" else None)
         for p in policies:
             self._claim_queries(p)
         self.requests: dict[Hashable, TrackedRequest] = self.driver.requests

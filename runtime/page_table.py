@@ -255,11 +255,12 @@ class PageTable:
         self._debug_check(st)
         return slots, newpos
 
-    def evict(self, req_id: ReqId, keep: Sequence[np.ndarray]) -> RowPlan:
+    def evict(self, req_id: ReqId, keep: Sequence[np.ndarray], hold: int = 0) -> RowPlan:
         """Keep, in row ``r``, its tokens where ``keep[r]`` (bool ``[n_r]``, slot order) is True: compact every
         row to the front of its pages, return its emptied tail pages to the free list, then move the pages of
-        the emptiest blocks into free pages of the fullest until the request holds ``ceil(pages / P)`` blocks
-        (R4). Misuse (shape, dtype, an evicted pin) raises ValueError and changes nothing."""
+        the emptiest blocks into free pages of the fullest until the request holds ``max(ceil(pages / P),
+        hold)`` blocks (R4; ``hold``: the count tensor-parallel ranks agreed on). Misuse (shape, dtype, an
+        evicted pin) raises ValueError and changes nothing."""
         st = self.get(req_id)
         if len(keep) != self.num_rows:
             raise ValueError(f"row request {req_id!r}: keep needs {self.num_rows} rows, got {len(keep)}")
@@ -270,7 +271,9 @@ class PageTable:
                                  f"{k.dtype} {list(k.shape)}")
         kept_pos = [p[k] for p, k in zip(st.pos, km, strict=True)]
         self._check_pins(st, kept_pos, st.logical_len)
-        st.hold = 0  # an eviction frees down to what the rows need
+        if hold < 0:
+            raise ValueError(f"row request {req_id!r}: hold must be >= 0, got {hold}")
+        st.hold = int(hold)  # an eviction frees down to what the rows need (or to what the ranks agreed)
         bs = self.block_size
         src = [self.slots(st, r, np.flatnonzero(k)) for r, k in enumerate(km)]  # old page slots of kept tokens
         evicted = int(sum(k.size - int(k.sum()) for k in km))
@@ -326,9 +329,9 @@ class PageTable:
         """Move used pages out of the blocks to free into free pages of the blocks kept; returns
         ``({old page: new page}, freed blocks)``. ``release="emptiest"`` keeps the blocks with the most used
         pages (ties: earlier in the block list), so the fewest pages move; ``"tail"`` keeps the list's first
-        ``ceil(pages / P)`` blocks."""
+        ``max(ceil(pages / P), hold)`` blocks."""
         P = self.pages_per_block
-        k = cdiv(st.pages_used, P)
+        k = max(cdiv(st.pages_used, P), st.hold)  # R4: ``hold`` (agreed by tensor-parallel ranks) stays held
         if len(st.blocks) <= k:
             return {}, []
         used = np.zeros(len(st.blocks), np.int64)

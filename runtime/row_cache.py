@@ -119,13 +119,23 @@ class RowStore(ABC):
             return None
         return self.table.reserve(req_id, n, new)[0]
 
-    def evict(self, req_id: ReqId, keep: Sequence[np.ndarray]) -> RowPlan:
+    def evict(self, req_id: ReqId, keep: Sequence[np.ndarray], hold: int = 0) -> RowPlan:
         """Evict per row (``keep[r]`` bool over row ``r``'s tokens, slot order), compact, repack pages out of
-        the emptiest blocks, free emptied blocks. Returns the plan it applied."""
-        plan = self.table.evict(req_id, keep)
+        the emptiest blocks, free emptied blocks (keeping at least ``hold``). Returns the plan it applied."""
+        plan = self.table.evict(req_id, keep, hold=hold)
         self._move(plan.src, plan.dst)
         self.pool.free(plan.freed)
         return plan
+
+    # the driver's RowAccess (decode re-eviction of position-class rows: eviction.streams_rows)
+    def row_view(self, req_id: ReqId) -> tuple[list[np.ndarray], np.ndarray, int]:
+        """``(positions of every row (copies), pinned positions, logical length)``."""
+        st = self.table.get(req_id)
+        return [p.copy() for p in st.pos], np.asarray(st.pinned, dtype=np.int64).copy(), int(st.logical_len)
+
+    def row_evict(self, req_id: ReqId, keep: list[np.ndarray]) -> int:
+        """:meth:`evict`; returns the row-tokens evicted."""
+        return int(self.evict(req_id, keep).tokens_evicted)
 
     # ---------------------------------------------------------------- reporting
     def held_blocks(self, req_id: ReqId) -> int:

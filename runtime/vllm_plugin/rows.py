@@ -174,4 +174,25 @@ class VllmRowCache(RowStore):
         return RowStep(self.pages, batches, isa, self.backend)
 
 
-__all__ = ["RowStep", "VllmRowCache"]
+class RowAccess:
+    """The driver's :class:`~vtoken_runtime.eviction.RowAccess` over the worker's row cache: the decode
+    re-eviction of position-class rows (DuoAttention's streaming heads, ``eviction.streams_rows``).
+    Tensor-parallel ranks hold one vLLM list for rows of different lengths, so they agree on the blocks kept
+    (the largest need over the ranks), as the handoff does; the freed tail reaches the scheduler with the
+    step's report (:meth:`VllmRowCache.scheduler_len`), like the handoff's."""
+
+    def __init__(self, rows: VllmRowCache, collective: object | None) -> None:
+        self.rows, self.collective = rows, collective
+
+    def row_view(self, req_id: ReqId) -> tuple[list[np.ndarray], np.ndarray, int]:
+        return self.rows.row_view(req_id)
+
+    def row_evict(self, req_id: ReqId, keep: list[np.ndarray]) -> int:
+        hold = 0
+        if self.collective is not None:
+            pages = sum(-(-int(np.count_nonzero(k)) // self.rows.block_size) for k in keep)
+            hold = self.collective.max([cdiv(pages, self.rows.table.pages_per_block)])[0]  # type: ignore[attr-defined]
+        return int(self.rows.evict(req_id, keep, hold=hold).tokens_evicted)
+
+
+__all__ = ["RowAccess", "RowStep", "VllmRowCache"]

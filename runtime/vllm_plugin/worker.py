@@ -48,7 +48,7 @@ import torch
 
 from vtoken_runtime._debug import check
 from vtoken_runtime.block_pool import BlockPool
-from vtoken_runtime.eviction import EvictionDriver
+from vtoken_runtime.eviction import EvictionDriver, streams_rows
 from vtoken_runtime.stats import StatsCollector
 from vtoken_runtime.stats.collector import resolve_backend
 from vtoken_runtime.stats.query_vectors import FUTURE_STATS, QueryWindows
@@ -226,7 +226,10 @@ class VTokenRunnerMixin:
         first = extract_layer_index(names[0]) if staged else 0
         if staged and [extract_layer_index(n) for n in names] != list(range(first, first + len(names))):
             raise RuntimeError(f"vtoken: pipeline stage {collective.pp_rank} holds layers {names}, not one run")
+        from .rows import RowAccess
+
         self._vt_driver = EvictionDriver(cache, collective=collective, queries=self._vt_queries, handoff=handoff,
+                                         rows=RowAccess(self._vt_rows, collective) if self._vt_rows is not None else None,
                                          layer_base=first,
                                          model_layers=int(self.model_config.get_total_num_hidden_layers())
                                          if staged else None)
@@ -624,9 +627,14 @@ class VTokenRunnerMixin:
         :class:`~.report.Truncation` (its true length and the cache length the scheduler keeps blocks
         for). The worker edits no vLLM block list: the scheduler's block manager frees the tail blocks and the
         next scheduler output sends the runner the truncated row."""
-        cache = self._vt_cache
+        cache, rows = self._vt_cache, self._vt_rows
         phases: dict[str, str] = {}
         for rid in req_ids:
+            if rows is not None and rid in rows:  # in per-row pages: only position-class rows evict again
+                t = self._vt_driver.requests.get(rid)
+                if t is not None and not t.failures and streams_rows(t.policy, t.budget):
+                    phases[rid] = "decode"  # a row request runs decode steps only (preempted: back to the table)
+                continue
             if not self._vt_eligible(rid) or not cache.has_request(rid):
                 continue
             seq = cache.logical_len(rid)
@@ -635,11 +643,10 @@ class VTokenRunnerMixin:
                 phases[rid] = "chunk"
             else:
                 phases[rid] = "prefill" if seq - self._vt_n_sched.get(rid, 0) < plen else "decode"
-        rows = self._vt_rows
         report: dict[str, Truncation] = {}
         if phases:
             if self._vt_prefix:
-                self._vt_freeze(phases)
+                self._vt_freeze([rid for rid in phases if cache.has_request(rid)])
             step = self._vt_driver.step(list(phases), phases)
             # TP rank 0 records (its stage's ranks evict alike); a later pipeline stage adds its layers' rows, but a
             # request-granularity token is one row whatever the layers

@@ -105,6 +105,16 @@ def dense_greedy_rows(model: Any, prompt: Sequence[int], max_new_tokens: int, ke
     """Greedy decoding with the dense model (full cache, no eviction) where, once the prompt has run, KV head
     ``h`` of layer ``l`` attends only to the prompt positions ``kept[l * H + h]`` (and to every generated
     token): the ground truth for a session whose rows keep unequal sets after prefill (issue 38)."""
+    return dense_greedy_row_steps(model, prompt, max_new_tokens, [(len(prompt), kept)])
+
+
+@torch.inference_mode()
+def dense_greedy_row_steps(model: Any, prompt: Sequence[int], max_new_tokens: int,
+                           keep_log: Sequence[tuple[int, Sequence[np.ndarray]]]) -> list[int]:
+    """:func:`dense_greedy_rows` for a session that evicts its rows again during decode: ``keep_log`` is the
+    driver's ``[(logical length at the eviction, kept positions per row), ...]`` in order. The token at position
+    ``p`` attends, in row ``r``, to the latest eviction's kept positions (the one with length ``<= p``) and to
+    every position from that length on. The first eviction must be the one after the prompt."""
     from transformers import AttentionInterface, DynamicCache
     from transformers.masking_utils import AttentionMaskInterface
 
@@ -114,22 +124,28 @@ def dense_greedy_rows(model: Any, prompt: Sequence[int], max_new_tokens: int, ke
     old = cfg._attn_implementation
     cfg._attn_implementation = "vtoken_dense_rows"
     L, H, n = cfg.num_hidden_layers, cfg.num_key_value_heads, len(prompt)
-    keep = torch.zeros(L, H, n, dtype=torch.bool)
-    for r, p in enumerate(kept):
-        keep[r // H, r % H, torch.as_tensor(np.asarray(p), dtype=torch.long)] = True
+    if not keep_log or keep_log[0][0] != n:
+        raise ValueError(f"the first eviction must be after the prompt ({n} tokens), got {[a for a, _ in keep_log]}")
+    masks = []
+    for at, kept in keep_log:
+        keep = torch.zeros(L, H, at, dtype=torch.bool)
+        for r, p in enumerate(kept):
+            keep[r // H, r % H, torch.as_tensor(np.asarray(p), dtype=torch.long)] = True
+        masks.append((at, keep))
     try:
         _ROWS_STATE["keep"] = None
         cache = DynamicCache(config=cfg)
         out = model(input_ids=torch.tensor([list(prompt)]), position_ids=torch.arange(n)[None], past_key_values=cache,
                     use_cache=True)
-        _ROWS_STATE["keep"] = keep
         gen: list[int] = []
         for step in range(max_new_tokens):
             t = int(out.logits[0, -1].argmax())
             gen.append(t)
             if step == max_new_tokens - 1:
                 break
-            out = model(input_ids=torch.tensor([[t]]), position_ids=torch.tensor([[n + step]]), past_key_values=cache,
+            pos = n + step
+            _ROWS_STATE["keep"] = [k for at, k in masks if at <= pos][-1]
+            out = model(input_ids=torch.tensor([[t]]), position_ids=torch.tensor([[pos]]), past_key_values=cache,
                         use_cache=True)
         return gen
     finally:

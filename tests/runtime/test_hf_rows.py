@@ -11,7 +11,7 @@ import torch
 import vtoken_policies
 import vtoken_sdk as vt
 from tests.cases import ALLOCATION_CASES, build, case_id
-from tests.oracles.dense import dense_greedy_rows
+from tests.oracles.dense import dense_greedy_row_steps, dense_greedy_rows
 from vtoken_bench.models import tiny_llama, tiny_qwen2
 from vtoken_runtime.hf_adapter import HFSession
 
@@ -69,6 +69,44 @@ def test_rows_really_differ_and_free_memory_the_shared_list_would_hold() -> None
     assert s.cache.num_free_blocks == free0 - fig["vtoken"]
     s.free("a")
     assert s.cache.num_free_blocks == free0 and "a" not in s.rows
+
+
+@pytest.mark.parametrize("slack", [0, 4])
+def test_streaming_rows_stay_bounded_during_decode_and_equal_dense_over_each_steps_kept_set(slack: int) -> None:
+    """HeadClasses evicting during decode (``when="both"``): after the handoff at prefill, every decode step (or
+    every ``slack + 1`` tokens) takes each streaming row back to its sinks and recent window, without
+    statistics; retrieval rows keep every token. Greedy output equals the dense model where each row sees its
+    latest kept set; streaming rows never hold more than sinks + recent + slack + 1 tokens, and the blocks
+    the rows no longer need go back to the pool."""
+    model = tiny_llama()
+    alloc = vt.HeadClasses(retrieval=((0, 1), (1, 0)), sinks=2, recent=3)
+    policy = build(("knorm", {"allocation": alloc}))
+    policy = policy.configure(budget=policy.budget.override(when="both", slack=slack))
+    ids = _prompt(90)
+    s = _session(model, policy)
+    s.add("a", policy, pinned_positions=[40])
+    free0 = s.cache.num_free_blocks
+    got = s.generate(["a"], [ids], 24)[0]
+    t = s.requests["a"]
+    assert not t.failures and t.in_rows
+    log = t.keep_log
+    assert log[0][0] == len(ids) and len(log) == 1 + 23 // (slack + 1)  # the handoff, then the decode evictions
+    streaming = [r for r in range(s.num_layers * s.num_kv_heads) if (r // s.num_kv_heads, r % s.num_kv_heads)
+                 not in alloc.retrieval]
+    for at, kept in log:
+        for r, k in enumerate(kept):
+            if r in streaming:  # sinks 0, 1, the pin 40, the recent window
+                assert k.tolist() == [0, 1, 40, at - 3, at - 2, at - 1], (at, r, k)
+            else:
+                assert k.tolist() == list(range(at)), (at, r)
+    assert got == dense_greedy_row_steps(model, ids, 24, log)
+    fig = s.blocks("a")[16]
+    assert fig["rows_live_min"] <= 6 + slack + 1 and fig["rows_live_max"] == len(ids) + 23
+    assert fig["vtoken"] == fig["ideal_pages"]
+    s.rows.check_invariants()
+    s.cache.check_invariants()
+    s.free("a")
+    assert s.cache.num_free_blocks == free0
 
 
 def test_a_batch_mixing_row_and_uniform_requests_equals_each_alone() -> None:

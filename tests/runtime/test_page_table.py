@@ -67,6 +67,20 @@ def test_evict_repacks_pages_out_of_the_emptiest_block_and_frees_it() -> None:
     assert t.ideal_blocks("a")["pages"] == 1
 
 
+def test_evict_keeps_the_blocks_tensor_parallel_ranks_agreed_on() -> None:
+    t = PageTable(1, 2, 4, max_requests=1, debug=True, release="tail")  # P = 2 pages per block
+    t.add("a", np.zeros(0, np.int64))
+    t.adopt("a", [np.arange(16), np.arange(16)], [0, 1, 2, 3], logical_len=16)  # 8 pages: 4 blocks
+    keep = [np.zeros(16, bool), np.zeros(16, bool)]
+    keep[0][:2] = keep[1][:2] = True  # 2 pages: 1 block needed
+    plan = t.evict("a", keep, hold=3)  # another rank needs 3
+    assert plan.freed == [3] and t.held_blocks("a") == 3
+    with pytest.raises(ValueError, match="hold"):
+        t.evict("a", [np.ones(2, bool), np.ones(2, bool)], hold=-1)
+    plan = t.evict("a", [np.ones(2, bool), np.ones(2, bool)])  # no hold: down to the need
+    assert plan.freed == [1, 2] and t.held_blocks("a") == 1
+
+
 def test_misuse_raises_and_changes_nothing() -> None:
     with pytest.raises(ValueError, match="release must be 'emptiest' or 'tail'"):
         PageTable(1, 2, 4, max_requests=1, release="fullest")
@@ -194,7 +208,11 @@ class RowMachine(RuleBasedStateMachine):
             keep.append(k | np.isin(p, self.pins[rid]))
         moved_before = self.rc.table.get(rid).tokens_moved
         blocks_before = list(self.rc.table.get(rid).blocks)
-        plan = self.rc.evict(rid, keep)
+        # hold: tensor-parallel ranks keep the larger count (the decode re-eviction of streaming rows)
+        hold = data.draw(st.integers(0, len(blocks_before)))
+        plan = self.rc.evict(rid, keep, hold=hold)
+        need = -(-sum(-(-int(k.sum()) // self.rc.block_size) for k in keep) // self.rc.table.pages_per_block)
+        assert self.rc.held_blocks(rid) == max(need, hold)
         assert plan.num_moves == self.rc.table.get(rid).tokens_moved - moved_before
         if self.RELEASE == "tail":  # the freed blocks are the list's tail: the owner truncates
             kept = self.rc.table.get(rid).blocks

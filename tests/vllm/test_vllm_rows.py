@@ -75,6 +75,16 @@ def _watch_blocks(llm: Any) -> dict[str, Any]:
     return seen
 
 
+def _all_back_and_replayed(llm: Any, model: Path, ps: list[list[int]], outs: list[list[int]]) -> tuple[float, int]:
+    """Every block back in the pool once the requests finished; then the HF replay of the trace (worst logit
+    gap, tokens checked)."""
+    total, free, held = scheduler(llm)._vt_blocks.pool_accounts()
+    assert free == total and held == 0
+    run = runner(llm)
+    cache = run.vtoken_cache
+    return replay_gap(model, run.vtoken_trace, ps, outs, cache.num_layers, cache.num_kv_heads)
+
+
 @pytest.mark.parametrize("policy", ["ada_snapkv", "ada_expected_attention"])
 def test_row_requests_attend_exactly_their_rows_and_hold_the_page_tables_blocks(tiny: Path, policy: str) -> None:
     llm = engine(tiny, {"policy": policy, "eviction_ratio": 0.5, "debug": True}, blocks=64)
@@ -87,10 +97,7 @@ def test_row_requests_attend_exactly_their_rows_and_hold_the_page_tables_blocks(
     assert len(seen["rows"]) == 4 and seen["unequal"], seen  # every request went to rows; rows really unequal
     assert not seen["bad"], seen["bad"][:5]
     assert seen["freed"] > 0  # the handoff freed tail blocks through the scheduler
-    total, free, held = scheduler(llm)._vt_blocks.pool_accounts()
-    assert free == total and held == 0
-    cache = run.vtoken_cache
-    worst, checked = replay_gap(tiny, run.vtoken_trace, ps, outs, cache.num_layers, cache.num_kv_heads)
+    worst, checked = _all_back_and_replayed(llm, tiny, ps, outs)
     print(f"{policy}: {checked} tokens checked against the HF replay over the kept rows, worst logit gap {worst:.2e}")
     assert checked == 4 * 24 and worst < 1e-3
 
@@ -166,6 +173,52 @@ def test_row_budgets_that_evict_during_decode_are_refused_at_start(tiny: Path) -
         engine(tiny, {"policy": "ada_snapkv", "eviction_ratio": 0.5, "when": "decode"})
 
 
+STREAMING_POLICY = """
+import vtoken_sdk as vt
+
+
+@vt.policy(budget=vt.Budget(ratio=0.5, when="both"), granularity="head",
+           allocation=vt.HeadClasses(retrieval=((0, 1), (1, 1)), sinks=4, recent=16))
+def streaming_heads(s: vt.TokenStats):
+    return s.position
+"""
+
+
+@pytest.fixture(scope="module")
+def streaming_policy(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """DuoAttention-style classes on the tiny model (2 layers x 2 KV heads), evicting during decode too. KV head 1
+    retrieves in both layers: under TP=2 rank 0 holds only streaming rows, rank 1 only retrieval rows, so the
+    ranks need different block counts and must agree on one."""
+    path = tmp_path_factory.mktemp("streaming") / "streaming_heads.py"
+    path.write_text(STREAMING_POLICY)
+    return str(path)
+
+
+def test_streaming_rows_are_evicted_again_during_decode_exactly(tiny: Path, streaming_policy: str) -> None:
+    """HeadClasses with ``when="both"``: after the handoff, every decode step takes each streaming row back to its
+    4 sinks and 16 recent positions (no statistics needed), in vLLM's own buffer; retrieval rows keep every
+    token. Every greedy token is the argmax of the HF replay over each step's kept rows, the block manager holds
+    exactly the page table's blocks after every step, and every block is back at the end."""
+    llm = engine(tiny, {"policy": streaming_policy, "debug": True}, blocks=64)
+    run = runner(llm)
+    run.vtoken_trace = {}
+    seen = _watch_blocks(llm)
+    ps = prompts([150, 90, 200], seed=6)
+    outs = generate(llm, ps, 40)
+    assert run.vtoken_counters["policy_failures"] == 0
+    assert run.vtoken_counters["evictions"] >= 3 * 39  # the handoffs, then one per decode step and request
+    assert len(seen["rows"]) == 3 and not seen["bad"], seen["bad"][:5]
+    for rid, steps in run.vtoken_trace.items():
+        for s, n, rows in steps:
+            if n != 1:
+                continue
+            lens = [len(r) for r in rows]  # rows 0, 2 stream; 1, 3 retrieve (row = layer * 2 + head)
+            assert lens[0] <= 21 and lens[2] <= 21 and lens[1] == lens[3] == s + 1, (rid, s, lens)
+    worst, checked = _all_back_and_replayed(llm, tiny, ps, outs)
+    print(f"streaming rows: {checked} tokens checked against the HF replay, worst logit gap {worst:.2e}")
+    assert checked == 3 * 40 and worst < 1e-3
+
+
 def test_trace_rows_are_unequal_lists(tiny: Path) -> None:
     """The trace of a row request is one array per row (what the replay above reads), not a padded matrix."""
     llm = engine(tiny, {"policy": "ada_snapkv", "eviction_ratio": 0.5})
@@ -227,7 +280,8 @@ def _row_trace(worker: Any) -> dict:  # by the request's index in the generate c
             for rid, steps in worker.model_runner.vtoken_trace.items()}
 
 
-def test_tp2_ranks_keep_the_tp1_rows_and_the_same_blocks(tiny: Path) -> None:
+@pytest.mark.parametrize("policy", ["ada_snapkv", "streaming"])
+def test_tp2_ranks_keep_the_tp1_rows_and_the_same_blocks(tiny: Path, streaming_policy: str, policy: str) -> None:
     """TP=2 (the multiprocess executor, gloo): each rank holds one of the two KV heads, so a layer's AdaKV counts
     need both ranks' scores. The driver gathers every head's statistics, positions and pins, every rank selects
     the whole layer as one rank would and keeps its own head's rows; the ranks agree on the blocks held (the
@@ -241,7 +295,9 @@ def test_tp2_ranks_keep_the_tp1_rows_and_the_same_blocks(tiny: Path) -> None:
     got = {}
     for tp in (2, 1):
         kw = {"tensor_parallel_size": tp, "distributed_executor_backend": "mp"} if tp > 1 else {}
-        llm = engine(tiny, {"policy": "ada_snapkv", "eviction_ratio": 0.5, "debug": True}, **kw)
+        plugin = {"policy": "ada_snapkv", "eviction_ratio": 0.5} if policy == "ada_snapkv" else \
+            {"policy": streaming_policy}  # streaming rows: evicted again at every decode step, on every rank
+        llm = engine(tiny, {**plugin, "debug": True}, **kw)
         try:
             llm.collective_rpc(_start_trace)
             outs = generate(llm, ps, 20)
