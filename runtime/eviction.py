@@ -348,6 +348,9 @@ class EvictionDriver:
             try:
                 evicted = self.rows.row_evict(r, keep)
             except ValueError as e:
+                if col is not None:  # the keep is the runtime's own (no policy code): ranks would part ways
+                    raise RuntimeError(f"vtoken: request {r!r}: the per-row cut of its streaming rows was refused on "
+                                       f"rank {col.rank} ({e}); tensor-parallel ranks cannot stay in step") from e
                 self._fail(r, f"per-row eviction refused: {e}", report)
                 continue
             t.rows_len = n

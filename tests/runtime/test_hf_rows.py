@@ -109,6 +109,33 @@ def test_streaming_rows_stay_bounded_during_decode_and_equal_dense_over_each_ste
     assert s.cache.num_free_blocks == free0
 
 
+def test_a_refused_cut_of_streaming_rows_fails_the_request_alone_or_stops_tensor_parallel_ranks(monkeypatch) -> None:
+    """The cut's keep is the runtime's own, so a refusal is a fault: alone, the request falls back to no further
+    eviction and keeps decoding; with a tensor-parallel group, a RuntimeError (the ranks would part ways)."""
+    from types import SimpleNamespace
+
+    model = tiny_llama()
+    policy = build(("knorm", {"allocation": vt.HeadClasses(retrieval=((0, 1),), sinks=2, recent=3)}))
+    policy = policy.configure(budget=policy.budget.override(when="both", slack=0))
+
+    def refuse(req_id, keep):
+        raise ValueError("refused for the test")
+
+    s = _session(model, policy)
+    monkeypatch.setattr(s.rows, "row_evict", refuse)
+    s.add("a", policy)
+    got = s.generate(["a"], [_prompt(60)], 6)[0]
+    assert len(got) == 6 and s.requests["a"].failures == ["per-row eviction refused: refused for the test"]
+    s2 = _session(model, policy)
+    monkeypatch.setattr(s2.rows, "row_evict", refuse)
+    s2.add("a", policy)
+    logits = s2.prefill(["a"], [_prompt(60)])  # the handoff; then the decode cut, as one rank of a group
+    assert s2.requests["a"].in_rows
+    s2.driver.collective = SimpleNamespace(rank=0)
+    with pytest.raises(RuntimeError, match="ranks cannot stay in step"):
+        s2.decode(["a"], [int(logits[0].argmax())])
+
+
 def test_a_batch_mixing_row_and_uniform_requests_equals_each_alone() -> None:
     model = tiny_qwen2()
     ada = _at_prefill(build(("h2o", {"allocation": vt.AdaptiveLayer(floor=0.2)})))
