@@ -69,10 +69,11 @@ class RowStore(ABC):
         self.pool.free(surplus)
         return len(surplus)
 
-    def blocks_for(self, keep: np.ndarray) -> int:
-        """Blocks the rows of a keep mask ``[R, n]`` need once laid out in pages."""
-        per_row = -(-np.asarray(keep, bool).sum(axis=1) // self.block_size)
-        return cdiv(int(per_row.sum()), self.table.pages_per_block)
+    def blocks_for(self, keep: np.ndarray | Sequence[np.ndarray]) -> int:
+        """Blocks the rows of a keep mask need once laid out in pages: ``[R, n]``, or one bool array per row
+        (rows of unequal lengths, a request already in pages)."""
+        pages = sum(cdiv(int(np.count_nonzero(k)), self.block_size) for k in keep)
+        return cdiv(pages, self.table.pages_per_block)
 
     def adopt_uniform(self, req_id: ReqId, pinned: np.ndarray, positions: np.ndarray, physical: np.ndarray,
                       keep: np.ndarray, blocks: list[int], logical_len: int, hold: int = 0) -> int:

@@ -188,10 +188,8 @@ class RowAccess:
         return self.rows.row_view(req_id)
 
     def row_evict(self, req_id: ReqId, keep: list[np.ndarray]) -> int:
-        hold = 0
-        if self.collective is not None:
-            pages = sum(-(-int(np.count_nonzero(k)) // self.rows.block_size) for k in keep)
-            hold = self.collective.max([cdiv(pages, self.rows.table.pages_per_block)])[0]  # type: ignore[attr-defined]
+        col = self.collective
+        hold = col.max([self.rows.blocks_for(keep)])[0] if col is not None else 0  # type: ignore[attr-defined]
         return int(self.rows.evict(req_id, keep, hold=hold).tokens_evicted)
 
 

@@ -48,7 +48,7 @@ import torch
 
 from vtoken_runtime._debug import check
 from vtoken_runtime.block_pool import BlockPool
-from vtoken_runtime.eviction import EvictionDriver, streams_rows
+from vtoken_runtime.eviction import EvictionDriver
 from vtoken_runtime.stats import StatsCollector
 from vtoken_runtime.stats.collector import resolve_backend
 from vtoken_runtime.stats.query_vectors import FUTURE_STATS, QueryWindows
@@ -130,6 +130,7 @@ class VTokenRunnerMixin:
         self._vt_rows: Any = None  # VllmRowCache: requests with unequal row budgets (None: none possible)
         self._vt_rowstep: Any = None  # RowStep of this step (None: the stock attention call)
         self._vt_kvmaps: tuple[np.ndarray, np.ndarray] | None = None  # the probed CPU layout (kmap, vmap)
+        self._vt_isa = ""  # vLLM's CPU attention ISA (set with the maps; the GPU's row path has none)
         self._vt_opts: dict[str, RequestOptions] = {}
         self._vt_n_sched: dict[str, int] = {}
         # prefix caching on: each request's first evicted position (absent: none yet), see .prefix
@@ -556,7 +557,7 @@ class VTokenRunnerMixin:
                           f"{int(bt.num_blocks_per_row[i])} (rank {self._vt_rank})")
         if rows is not None and any(r in rows for r in req_ids):
             self._vt_rowstep = rows.step(req_ids, num_scheduled_tokens[:num_reqs], seq, bt.block_table.np[:num_reqs],
-                                         getattr(self, "_vt_isa", ""))
+                                         self._vt_isa)
         positions = true_positions(computed, num_scheduled_tokens[:num_reqs])
         for i, rid in enumerate(req_ids):
             n = int(num_scheduled_tokens[i])
@@ -630,10 +631,8 @@ class VTokenRunnerMixin:
         cache, rows = self._vt_cache, self._vt_rows
         phases: dict[str, str] = {}
         for rid in req_ids:
-            if rows is not None and rid in rows:  # in per-row pages: only position-class rows evict again
-                t = self._vt_driver.requests.get(rid)
-                if t is not None and not t.failures and streams_rows(t.policy, t.budget):
-                    phases[rid] = "decode"  # a row request runs decode steps only (preempted: back to the table)
+            if rows is not None and rid in rows:  # in per-row pages: the driver cuts position-class rows only
+                phases[rid] = "decode"  # a row request runs decode steps only (preempted: back to the table)
                 continue
             if not self._vt_eligible(rid) or not cache.has_request(rid):
                 continue
