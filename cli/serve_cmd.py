@@ -56,10 +56,6 @@ REFUSED = {
     "--speculative-config": "speculative decoding is not supported",
     "--kv-transfer-config": "KV-transfer connectors are not supported",
 }
-# and on CUDA (the GPU worker; vLLM's CPU platform switches asynchronous scheduling off by itself)
-REFUSED_ON_CUDA = {
-    "--async-scheduling": "async scheduling with eviction runs in the CPU worker only (not verified on GPUs)",
-}
 
 
 def _usage(msg: str) -> None:
@@ -97,8 +93,6 @@ def server_command(model: str, policy: str, mode: str, eviction_ratio: float | N
         name = a.split("=", 1)[0]
         if name in REFUSED:
             _usage(f"{name}: {REFUSED[name]}")
-        if name in REFUSED_ON_CUDA and _cuda():
-            _usage(f"{name}: {REFUSED_ON_CUDA[name]}")
     if "--model" in vllm_args:
         _usage("give the model as the first argument, not --model")
     looks_local = model.startswith((".", "/", "~")) or model.count("/") > 1  # "org/name" may be a hub id

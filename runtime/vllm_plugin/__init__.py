@@ -76,10 +76,11 @@ def vllm_engine_args(policy: str | None = "none", mode: str = "compact", evictio
     (default: CUDA when torch sees a GPU). ``extra`` is merged (e.g. ``additional_config``). On CUDA a
     policy that reads statistics gets PIECEWISE CUDA graphs unless ``compilation_config`` is given (the
     GPU worker enforces it too; see ``gpu_worker``); so does a policy with unequal row budgets, which also gets
-    ``attention_backend="TRITON_ATTN"`` (per-row pages on the GPU need it; the GPU worker asks for the HND layout). Prefix caching keeps vLLM's default (on) in the CPU
-    worker (the cached prefix is frozen, docs/decisions.md decision 9) and is switched off on CUDA; so does
-    asynchronous scheduling (the scheduler reads eviction reports a step late; vLLM's CPU platform switches it
-    off itself) and it is switched off on CUDA too.
+    ``attention_backend="TRITON_ATTN"`` (per-row pages on the GPU need it; the GPU worker asks for the HND layout).
+    Prefix caching keeps vLLM's default (on; the cached prefix is frozen, docs/decisions.md decision 9), except for
+    policies with unequal row budgets; so does asynchronous scheduling (the scheduler reads eviction reports a step
+    late; vLLM's CPU platform switches it off itself). Both are the runner mixin's and the scheduler's logic, the
+    same on CPU and CUDA, verified in the CPU worker (docs/vllm.md: no GPU engine has run them).
     """
     cfg = PluginConfig(policy=policy, mode=mode, eviction_ratio=eviction_ratio, budget_tokens=budget_tokens,
                        policy_name=policy_name, debug=debug, when=when, slack=slack)
@@ -87,15 +88,9 @@ def vllm_engine_args(policy: str | None = "none", mode: str = "compact", evictio
     if device not in (None, "cpu", "cuda"):
         raise ValueError(f"vtoken: device {device!r}; expected 'cpu' or 'cuda'")
     cuda = _on_cuda() if device is None else device == "cuda"
-    if cuda and extra.get("enable_prefix_caching"):
-        raise ValueError("vtoken: prefix caching with eviction runs in the CPU worker only (the GPU worker's "
-                         "frozen prefix is not verified); leave enable_prefix_caching unset on CUDA")
     if cuda and int(extra.get("pipeline_parallel_size") or 1) > 1:
         raise ValueError("vtoken: pipeline parallelism runs in the CPU worker only (the GPU worker's stage "
                          "agreement is not verified); leave pipeline_parallel_size at 1 on CUDA")
-    if cuda and extra.get("async_scheduling"):
-        raise ValueError("vtoken: async scheduling with eviction runs in the CPU worker only (the GPU worker's "
-                         "asynchronous outputs are not verified); leave async_scheduling unset on CUDA")
     additional = dict(extra.pop("additional_config", None) or {})
     additional["vtoken"] = cfg.to_dict()
     procs = [p for p in (extra.pop("logits_processors", None) or []) if p != FRONTEND_CLS]
@@ -111,16 +106,13 @@ def vllm_engine_args(policy: str | None = "none", mode: str = "compact", evictio
         args["compilation_config"] = {"cudagraph_mode": "PIECEWISE"}
     if cuda and unequal and "attention_backend" not in extra and "attention_config" not in extra:
         args["attention_backend"] = "TRITON_ATTN"  # per-row pages: the backend verified with one-head pages
-    if cuda:
-        args["enable_prefix_caching"] = False
-        args["async_scheduling"] = False
-    elif pol is not None and not pol.spec.uniform:  # per-row pages repack the cached prefix too (scheduler)
+    if pol is not None and not pol.spec.uniform:  # per-row pages repack the cached prefix too (scheduler)
         if extra.get("enable_prefix_caching"):
             raise ValueError("vtoken: prefix caching with a policy of unequal row budgets is not supported (its "
                              "handoff to per-row pages repacks every block of the request, the cached prefix's "
                              "too); leave enable_prefix_caching unset")
         args["enable_prefix_caching"] = False
-    args.update(extra)  # the CPU worker keeps vLLM's prefix caching default (on) unless extra says otherwise
+    args.update(extra)  # vLLM's prefix caching and async scheduling defaults are kept unless extra says otherwise
     return args
 
 

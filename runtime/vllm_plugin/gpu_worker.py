@@ -29,8 +29,9 @@ are the CPU worker's, line for line. What differs on the GPU:
 Refused at start-up, with the setting to change (:func:`check_gpu_config`): the V2 model runner,
 FlashInfer and other attention backends (FlashAttention and Triton attention are supported),
 block-outermost KV layouts, kernel block size != manager block size, per-token-head quantised KV,
-ALiBi, sliding-window or hybrid KV groups, prefix caching, async scheduling, and statistics (or key / value
-vectors: ``worker.check_vector_reads``) over a quantised KV cache. Query statistics (the attention wrapper
+ALiBi, sliding-window or hybrid KV groups, and statistics (or key / value vectors: ``worker.check_vector_reads``)
+over a quantised KV cache. Prefix caching and asynchronous scheduling keep vLLM's defaults: their logic is the
+scheduler's and this mixin's, the CPU worker's line for line (verified there; not run in a GPU engine). Query statistics (the attention wrapper
 records the queries) count as statistics for the CUDA-graph rule; RoPE types the future query statistics
 cannot describe are refused when the query window store is built (``stats.rope``).
 """

@@ -319,12 +319,12 @@ def test_engine_args_and_serve_flags() -> None:
     a = vllm_engine_args(policy="scissorhands", mode="naive", eviction_ratio=0.7, device="cpu")
     assert a["additional_config"]["vtoken"]["mode"] == "naive" and "enable_prefix_caching" not in a  # vLLM's default
     assert "async_scheduling" not in a  # vLLM's default (its CPU platform switches it off by itself)
-    assert vllm_engine_args(policy="h2o", device="cuda")["enable_prefix_caching"] is False  # not verified on GPUs
-    assert vllm_engine_args(policy="h2o", device="cuda")["async_scheduling"] is False  # nor this
-    assert "--no-async-scheduling" in serve_flags(policy="h2o", device="cuda")
-    assert "--no-async-scheduling" not in serve_flags(policy="h2o", device="cpu")
-    with pytest.raises(ValueError, match="async scheduling"):
-        vllm_engine_args(policy="h2o", device="cuda", async_scheduling=True)
+    for dev in ("cpu", "cuda"):  # the GPU worker keeps vLLM's defaults too (the same mixin and scheduler)
+        a = vllm_engine_args(policy="h2o", device=dev)
+        assert "enable_prefix_caching" not in a and "async_scheduling" not in a
+        assert vllm_engine_args(policy="h2o", device=dev, async_scheduling=True)["async_scheduling"] is True
+        assert vllm_engine_args(policy="ada_snapkv", device=dev)["enable_prefix_caching"] is False  # per-row pages
+        assert not any("async-scheduling" in f or "prefix-caching" in f for f in serve_flags(policy="h2o", device=dev))
     assert vllm_engine_args(policy="h2o", device="cpu", enable_prefix_caching=False)["enable_prefix_caching"] is False
     flags = serve_flags(policy="h2o", device="cpu")
     assert "--scheduler-cls" in flags and "--worker-cls" in flags
