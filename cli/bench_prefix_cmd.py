@@ -17,6 +17,17 @@ out = Console(width=None if sys.stdout.isatty() else 200)
 err = Console(stderr=True)
 
 
+def token_range(text: str) -> tuple[int, int]:
+    """``"LO,HI"`` -> ``(LO, HI)``: two integers, ``1 <= LO <= HI`` (``ValueError`` saying what is wrong)."""
+    parts = [p.strip() for p in text.split(",")]
+    if len(parts) != 2 or not all(p.isdigit() for p in parts):
+        raise ValueError("expected two integers LO,HI, e.g. 256,320")
+    lo, hi = int(parts[0]), int(parts[1])
+    if not 1 <= lo <= hi:
+        raise ValueError(f"expected 1 <= LO <= HI, got {lo},{hi}")
+    return lo, hi
+
+
 def bench_prefix(
     quick: Annotated[bool, typer.Option("--quick", help="a 512-token system prompt, 8 requests and 3 two-turn chats, "
                                                         "shorter questions and answers")] = False,
@@ -25,6 +36,12 @@ def bench_prefix(
     rounds: Annotated[int | None, typer.Option(min=1, help="interleaved rounds of the shared trace (default 3)")
                       ] = None,
     system_tokens: Annotated[int | None, typer.Option(min=32, help="the shared system prompt (default 1024)")
+                             ] = None,
+    question_tokens: Annotated[str | None, typer.Option(metavar="LO,HI", help="each request's own question, drawn "
+                                                                            "in [LO, HI] tokens (default 1536,2048)")
+                               ] = None,
+    output_tokens: Annotated[str | None, typer.Option(metavar="LO,HI", help="each answer, drawn in [LO, HI] tokens "
+                                                                          "(default 64,96; e.g. 256,320: decode-heavy)")
                              ] = None,
     goodput: Annotated[bool, typer.Option("--goodput/--no-goodput",
                                           help="also search goodput on the shared trace (open loop, SLOs from "
@@ -47,7 +64,17 @@ def bench_prefix(
     from vtoken_bench.serve_prefix import QUICK, PrefixConfig, run_prefix_bench
 
     cfg = QUICK if quick else PrefixConfig()
+    ranges = {"--question-tokens": (question_tokens, cfg.question_tokens),
+              "--output-tokens": (output_tokens, cfg.output_tokens)}
+    got = {}
+    for flag, (text, default) in ranges.items():
+        try:
+            got[flag] = default if text is None else token_range(text)
+        except ValueError as e:
+            err.print(f"bad option value: {flag} {text!r}: {e}", markup=False, highlight=False)
+            raise typer.Exit(2) from None
     cfg = replace(cfg, policy=policy, ratio=ratio, rounds=rounds or cfg.rounds,
+                  question_tokens=got["--question-tokens"], output_tokens=got["--output-tokens"],
                   system_tokens=system_tokens or cfg.system_tokens, goodput=goodput,
                   goodput_requests=goodput_requests or cfg.goodput_requests, closed_loop=closed_loop,
                   ttft_slo_factor=ttft_slo_factor or cfg.ttft_slo_factor,

@@ -92,7 +92,11 @@ class V2StepRewrite:
             block_tables.num_blocks.np[g, i] = len(ids)
             self.rows[rid] = list(ids)
         reqs = scheduler_output.scheduled_cached_reqs
+        resumed = getattr(reqs, "resumed_req_ids", None) or ()
         for rid, new in zip(reqs.req_ids, reqs.new_block_ids, strict=True):
+            if rid in resumed:  # V2 re-adds preempted requests as new ones; a resumed list would replace the row
+                raise RuntimeError(f"vtoken: request {rid} was resumed as a cached request, which Model Runner V2 "
+                                   "does not do (its whole block list would replace the row)")
             if new is not None:
                 self.rows[rid].extend(new[g])
 

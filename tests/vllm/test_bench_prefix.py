@@ -24,6 +24,12 @@ def test_too_few_goodput_requests_is_exit_2() -> None:
     assert res.exit_code == 2 and "goodput-requests" in res.output
 
 
+@pytest.mark.parametrize("value", ["256", "320,256", "0,4", "a,b", "1,2,3"])
+def test_a_bad_token_range_is_exit_2_naming_the_option(value: str) -> None:
+    res = CliRunner().invoke(app, ["bench", "prefix", "--output-tokens", value])
+    assert res.exit_code == 2 and "--output-tokens" in res.output and "LO" in res.output
+
+
 def test_neither_closed_loop_nor_goodput_is_exit_1_before_anything_runs() -> None:
     res = CliRunner().invoke(app, ["bench", "prefix", "--no-closed-loop", "--no-goodput"])
     assert res.exit_code == 1 and "nothing to run" in res.output

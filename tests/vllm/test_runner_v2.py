@@ -58,7 +58,7 @@ def test_each_part_of_the_v2_rewrite_is_needed(mutation: str, caught: str) -> No
     assert any(caught in f for f in got["failures"]), got
 
 
-def test_v2_rewrite_refuses_several_groups_and_unknown_rows() -> None:
+def test_v2_rewrite_refuses_several_groups_unknown_rows_and_resumed_lists() -> None:
     with pytest.raises(ValueError, match="KV-cache groups"):
         V2StepRewrite(None, None, lambda r: None, 4, torch.device("cpu"), num_groups=2)
     rw = V2StepRewrite(None, None, lambda r: None, 4, torch.device("cpu"))
@@ -66,3 +66,9 @@ def test_v2_rewrite_refuses_several_groups_and_unknown_rows() -> None:
                          scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[]))
     with pytest.raises(RuntimeError, match="unknown to the runner"):
         rw.update(so, None, {})
+    rw.rows["y"] = [3]
+    so = SimpleNamespace(scheduled_cached_reqs=SimpleNamespace(req_ids=["y"], new_block_ids=[([3, 4],)],
+                                                               resumed_req_ids={"y"}))
+    with pytest.raises(RuntimeError, match="resumed"):  # V2's scheduler sends resumed requests as new ones
+        rw.update(so, None, {"y": 0})
+    assert rw.rows["y"] == [3]
