@@ -33,7 +33,7 @@ from typing import Any
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from . import GPU_WORKER_CLS, block_manager
+from . import block_manager
 from .config import PluginConfig, request_options
 from .kv_groups import evicting_group
 from .report import REPORT_ATTR, ROWS_ATTR
@@ -43,7 +43,7 @@ log = logging.getLogger("vtoken.vllm")
 
 def check_supported(vllm_config: Any) -> None:
     """Refuse configurations the plugin does not handle, with a clear message (start-up time)."""
-    cc, sc = vllm_config.cache_config, vllm_config.scheduler_config
+    cc = vllm_config.cache_config
     if cc.enable_prefix_caching:
         pol = PluginConfig.from_vllm_config(vllm_config).load_policy()
         if pol is not None and not pol.spec.uniform:
@@ -51,9 +51,6 @@ def check_supported(vllm_config: Any) -> None:
                              "handoff to per-row pages repacks every block of the request, the cached prefix's "
                              "too); start the engine with enable_prefix_caching=False, or serve the policy's "
                              "uniform twin")
-    if getattr(sc, "async_scheduling", False) and vllm_config.parallel_config.worker_cls == GPU_WORKER_CLS:
-        raise ValueError("vtoken: async scheduling with the GPU worker is not verified (it runs in the CPU "
-                         "worker); set async_scheduling=False")
     if vllm_config.speculative_config is not None:
         raise ValueError("vtoken: speculative decoding is not supported")
     if vllm_config.kv_transfer_config is not None:

@@ -138,6 +138,28 @@ def test_engine_args_pick_the_gpu_worker_and_piecewise_graphs_on_cuda() -> None:
         vllm_engine_args(device="tpu")
 
 
+@pytest.mark.parametrize("worker", ["cpu", "cuda"])
+def test_the_scheduler_keeps_vllms_defaults_for_either_worker(worker: str) -> None:
+    """Prefix caching and asynchronous scheduling (vLLM's defaults on GPUs) start with the GPU worker as with the CPU
+    one: the scheduler refuses only prefix caching with unequal row budgets."""
+    from types import SimpleNamespace
+
+    from vtoken_runtime.vllm_plugin import vllm_engine_args
+    from vtoken_runtime.vllm_plugin.scheduler import check_supported
+
+    def cfg(policy: str) -> SimpleNamespace:
+        a = vllm_engine_args(policy=policy, device=worker)
+        return SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=True),
+                               scheduler_config=SimpleNamespace(async_scheduling=True),
+                               parallel_config=SimpleNamespace(worker_cls=a["worker_cls"]),
+                               additional_config=a["additional_config"], speculative_config=None,
+                               kv_transfer_config=None)
+
+    check_supported(cfg("h2o"))
+    with pytest.raises(ValueError, match="unequal row budgets"):
+        check_supported(cfg("ada_snapkv"))
+
+
 # ---------------------------------------------------------------- emulated engine + real builders
 def _views(layout_name: str, dtype: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Per-layer logical [NB, H, bs, 2D] views of one backing buffer, made by vLLM's create_kv_cache_views."""
