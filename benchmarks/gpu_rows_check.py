@@ -47,6 +47,23 @@ def _setup() -> tuple[Any, bool]:
     return torch.device("cpu"), True
 
 
+def vllm_kv_views(layout: str, layers: int, blocks: int, heads: int, head_size: int, block_size: int, dtype: Any,
+                  device: Any = "cpu") -> list[Any]:
+    """Per-layer logical ``[NB, H, bs, 2D]`` views of one zeroed backing buffer in ``layout`` (``"LBNHC"``,
+    ``"LBHNC"``), made by vLLM's own ``create_kv_cache_views`` (the layer-outermost allocation of a full-attention
+    group)."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheTensor, create_kv_cache_views
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=heads, head_size=head_size, dtype=dtype)
+    page = spec.page_size_bytes
+    t = KVCacheTensor(size=layers * blocks * page, layers=[f"model.layers.{i}.self_attn.attn" for i in range(layers)],
+                      layer_stride=blocks * page, block_stride=page)
+    return create_kv_cache_views(torch.zeros(t.size, dtype=torch.int8, device=device), spec, blocks,
+                                 KVCacheLayout[layout], t)
+
+
 def run(cases: int = 12, seed: int = 0, tol: float = 1e-4) -> dict[str, Any]:
     dev, interpreted = _setup()
     import numpy as np
@@ -123,8 +140,6 @@ def run_cache(steps: int = 6, seed: int = 0, tol: float = 1e-4) -> dict[str, Any
     dev, interpreted = _setup()
     import numpy as np
     import torch
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheTensor, create_kv_cache_views
-    from vllm.v1.kv_cache_layout import KVCacheLayout
 
     from vtoken_runtime.block_pool import BlockPool
     from vtoken_runtime.paged_attention import dense_attention
@@ -134,12 +149,7 @@ def run_cache(steps: int = 6, seed: int = 0, tol: float = 1e-4) -> dict[str, Any
     torch.manual_seed(seed)
     L, NB, H, BS, D, G = 3, 24, 2, 16, 32, 2
     R = L * H
-    spec = FullAttentionSpec(block_size=BS, num_kv_heads=H, head_size=D, dtype=torch.float32)
-    page = spec.page_size_bytes
-    t = KVCacheTensor(size=L * NB * page, layers=[f"model.layers.{i}.self_attn.attn" for i in range(L)],
-                      layer_stride=NB * page, block_stride=page)
-    raw = torch.zeros(t.size, dtype=torch.int8, device=dev)
-    kv = create_kv_cache_views(raw, spec, NB, KVCacheLayout["LBHNC"], t)
+    kv = vllm_kv_views("LBHNC", L, NB, H, D, BS, torch.float32, dev)
     pool = BlockPool(NB)
     rows = VllmRowCache(kv, None, None, pool, max_requests=8, backend="triton")
     scale = 1.0 / math.sqrt(D)

@@ -34,17 +34,6 @@ from typing import Any
 L, H, G, D, BS, NB, MAX_REQS, MAX_TOKENS = 2, 2, 2, 32, 16, 48, 8, 256
 
 
-def _views(layout: str, torch: Any) -> list[Any]:
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheTensor, create_kv_cache_views
-    from vllm.v1.kv_cache_layout import KVCacheLayout
-
-    spec = FullAttentionSpec(block_size=BS, num_kv_heads=H, head_size=D, dtype=torch.float32)
-    page = spec.page_size_bytes
-    t = KVCacheTensor(size=L * NB * page, layers=[f"model.layers.{i}.self_attn.attn" for i in range(L)],
-                      layer_stride=NB * page, block_stride=page)
-    return create_kv_cache_views(torch.zeros(t.size, dtype=torch.int8), spec, NB, KVCacheLayout[layout], t)
-
-
 class _Sink:
     """Takes writes and drops them (the ``no-rows`` mutation's block tables)."""
 
@@ -111,7 +100,7 @@ def _runner(dev: Any, rewrite: Any, mutate: str | None, sampled: list) -> Any:
 
 
 def run(steps: int = 16, layout: str = "LBHNC", mutate: str | None = None, seed: int = 0) -> dict[str, Any]:
-    from vtoken_bench.gpu_rows_check import _setup
+    from vtoken_bench.gpu_rows_check import _setup, vllm_kv_views
 
     dev, interpreted = _setup()
     import numpy as np
@@ -127,7 +116,7 @@ def run(steps: int = 16, layout: str = "LBHNC", mutate: str | None = None, seed:
 
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed + 1)
-    views = _views(layout, torch)
+    views = vllm_kv_views(layout, L, NB, H, D, BS, torch.float32)
     adapters = [KVLayoutAdapter.from_view(v, D) for v in views]
     pool = ExternalPool(NB)
     cache = VTokenCache(L, H, D, BS, NB, granularity="head", mode="compact", dtype=torch.float32, kv_caches=views,

@@ -58,8 +58,7 @@ class V2StepRewrite:
         self.rows: dict[str, list[int]] = {}
         self.true_lens = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
         self._slots: torch.Tensor | None = None
-        self._num_reqs = 0
-        self.swapped = False  # input_buffers.seq_lens holds cache lengths (between prepare_inputs and sample)
+        self._num_reqs = 0  # > 0: input_buffers.seq_lens holds this many cache lengths (prepare_inputs to sample)
 
     # ------------------------------------------------------------------ request states
     def drop(self, finished: Iterable[str], preempted: Iterable[str]) -> None:
@@ -124,7 +123,6 @@ class V2StepRewrite:
         lens[:B].copy_(torch.from_numpy(seq).to(lens.device, non_blocking=True))
         self._slots = torch.from_numpy(slots)
         self._num_reqs = B
-        self.swapped = True
         return seq
 
     def rewrite_slots(self, slot_mappings: torch.Tensor) -> None:
@@ -137,11 +135,10 @@ class V2StepRewrite:
 
     def restore_lengths(self, input_batch: Any) -> None:
         """Before sampling: the true lengths back where V2's sampler reads them."""
-        if not self.swapped:
-            return
         B = self._num_reqs
-        input_batch.seq_lens[:B].copy_(self.true_lens[:B])
-        self.swapped = False
+        if B:
+            input_batch.seq_lens[:B].copy_(self.true_lens[:B])
+            self._num_reqs = 0
 
 
 class VTokenV2InputsMixin:

@@ -161,17 +161,11 @@ def test_the_scheduler_keeps_vllms_defaults_for_either_worker(worker: str) -> No
 
 
 # ---------------------------------------------------------------- emulated engine + real builders
-def _views(layout_name: str, dtype: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def _views(layout_name: str, dtype: torch.dtype) -> list[torch.Tensor]:
     """Per-layer logical [NB, H, bs, 2D] views of one backing buffer, made by vLLM's create_kv_cache_views."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheTensor, create_kv_cache_views
-    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vtoken_bench.gpu_rows_check import vllm_kv_views
 
-    spec = FullAttentionSpec(block_size=BS, num_kv_heads=H, head_size=D, dtype=dtype)
-    page = spec.page_size_bytes
-    t = KVCacheTensor(size=L * NB * page, layers=[f"model.layers.{i}.self_attn.attn" for i in range(L)],
-                      layer_stride=NB * page, block_stride=page)
-    raw = torch.zeros(t.size, dtype=torch.int8)
-    return raw, create_kv_cache_views(raw, spec, NB, KVCacheLayout[layout_name], t)
+    return vllm_kv_views(layout_name, L, NB, H, D, BS, dtype)
 
 
 class EmulatedEngine:
@@ -278,7 +272,7 @@ def test_real_builders_see_the_rewrite_and_attention_equals_dense_over_kept(layo
     torch.manual_seed(0)
     rng = np.random.default_rng(1)
     builders = _builders()
-    _, views = _views(layout, torch.float32)
+    views = _views(layout, torch.float32)
     eng = EmulatedEngine(views, granularity)
     cache = eng.cache
     prompts = {"a": 70, "b": 41, "c": 23}

@@ -19,6 +19,7 @@ pytest.importorskip("vllm")
 
 import torch  # noqa: E402
 
+from vtoken_bench.gpu_rows_check import vllm_kv_views  # noqa: E402
 from vtoken_runtime.vllm_plugin.row_attention import hnd_layer_pages  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -61,14 +62,7 @@ def test_the_workers_row_cache_runs_on_the_triton_backend_end_to_end() -> None:
 
 
 def _views(layout: str) -> list[torch.Tensor]:
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheTensor, create_kv_cache_views
-    from vllm.v1.kv_cache_layout import KVCacheLayout
-
-    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float32)
-    page = spec.page_size_bytes
-    t = KVCacheTensor(size=2 * 8 * page, layers=[f"model.layers.{i}.self_attn.attn" for i in range(2)],
-                      layer_stride=8 * page, block_stride=page)
-    return create_kv_cache_views(torch.zeros(t.size, dtype=torch.int8), spec, 8, KVCacheLayout[layout], t)
+    return vllm_kv_views(layout, 2, 8, 2, 32, 16, torch.float32)
 
 
 def _gpu_runner(impl: type) -> tuple[object, object]:
